@@ -1,0 +1,199 @@
+"""Typed run configuration: one source of truth for every option of `hpcbert train` and `bench`.
+
+Every field has a docstring (the text after it) which is also the CLI help. Validation happens on
+construction and names the field and the accepted values. The resolved config is saved as
+`config.json` in the run directory and can be read back with `RunConfig.from_dict`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+GRAD_CKPT_HELP = "none | alternate (every second layer) | all | every:K (every K-th layer)"
+PRECISIONS = ("auto", "fp32", "bf16", "fp16")
+OPTIMIZERS = ("adamw", "lamb")
+SAMPLERS = ("random", "length-grouped", "sequential")
+LR_SCALINGS = ("none", "linear", "sqrt")
+
+
+def parse_duration(text: str | float | int | None, what: str = "duration") -> float | None:
+    """'20m', '1h30m', '90s', '1200', '00:20:00' -> seconds. None/'' -> None."""
+    if text is None or text == "":
+        return None
+    if isinstance(text, (int, float)):
+        if text <= 0:
+            raise ValueError(f"{what}: must be positive, got {text}")
+        return float(text)
+    s = str(text).strip()
+    if re.fullmatch(r"\d+(\.\d+)?", s):
+        value = float(s)
+    elif re.fullmatch(r"\d+:\d{1,2}:\d{1,2}", s):
+        h, m, sec = (int(x) for x in s.split(":"))
+        value = float(h * 3600 + m * 60 + sec)
+    else:
+        parts = re.findall(r"(\d+(?:\.\d+)?)([hms])", s)
+        if not parts or "".join(n + u for n, u in parts) != s:
+            raise ValueError(
+                f"{what}: cannot read {text!r}; accepted: seconds ('1200'), units ('20m', '1h30m', "
+                f"'90s') or HH:MM:SS ('00:20:00')"
+            )
+        value = sum(float(n) * {"h": 3600, "m": 60, "s": 1}[u] for n, u in parts)
+    if value <= 0:
+        raise ValueError(f"{what}: must be positive, got {text!r}")
+    return value
+
+
+def parse_grad_ckpt(policy: str) -> str:
+    """Validate a checkpointing policy string; returns it normalised."""
+    p = policy.strip().lower()
+    if p in ("none", "alternate", "all"):
+        return p
+    m = re.fullmatch(r"every:(\d+)", p)
+    if m and int(m.group(1)) >= 1:
+        return f"every:{int(m.group(1))}"
+    raise ValueError(f"grad_ckpt: unknown policy {policy!r}; accepted: {GRAD_CKPT_HELP}")
+
+
+def _choice(name: str, value: str, accepted: tuple[str, ...]) -> None:
+    if value not in accepted:
+        raise ValueError(f"{name}: {value!r} is not accepted; choose one of {', '.join(accepted)}")
+
+
+@dataclass
+class RunConfig:
+    """Everything that defines a training run. Field docstrings double as CLI help."""
+
+    # --- what to train ---
+    task: str = "synthetic"
+    """GLUE task (cola, sst-2, mrpc, sts-b, qqp, mnli, qnli, rte, wnli) or 'synthetic' (no files needed)."""
+    data_dir: str | None = None
+    """GLUE directory (same layout as GLUE_DIR: one sub-folder per task). Required for GLUE tasks."""
+    model: str = "minilm-l6"
+    """Named model (minilm-l6 pretrained; bert-tiny, bert-base, bert-large random init) or a Hugging Face-format directory."""
+    tokenizer: str | None = None
+    """Tokenizer directory or file (vocab.txt / tokenizer.json). Default: the model's own, or minilm-l6's uncased vocabulary for random models."""
+    max_seq_length: int = 128
+    """Longest tokenised sequence; longer inputs are truncated (longest first)."""
+
+    # --- batch arithmetic: global = per-device x accumulation x world size ---
+    batch_size: int = 32
+    """Per-device micro-batch size (sequences per forward pass on one device)."""
+    grad_accum: int = 1
+    """Micro-batches accumulated per optimizer step."""
+    eval_batch_size: int = 64
+    """Per-device batch size for evaluation."""
+
+    # --- optimisation ---
+    optimizer: str = "adamw"
+    """adamw (fused on CUDA) or lamb."""
+    lr: float = 2e-5
+    """Peak learning rate (before --lr-scaling)."""
+    lr_scaling: str = "none"
+    """Scale the learning rate with world size: none, linear or sqrt."""
+    weight_decay: float = 0.01
+    """Decoupled weight decay (not applied to biases and LayerNorm weights)."""
+    warmup_ratio: float = 0.1
+    """Fraction of optimizer steps of linear warm-up, followed by linear decay to zero."""
+    max_grad_norm: float = 1.0
+    """Clip the global gradient norm to this value (0 disables)."""
+    epochs: float = 3.0
+    """Training epochs (ignored when --max-steps is given)."""
+    max_steps: int | None = None
+    """Optimizer steps to run; overrides --epochs."""
+    time_budget: float | None = None
+    """Wall-clock budget counted from process start ('20m', '1h', seconds). Training stops before it runs out."""
+    seed: int = 42
+    """Seed for initialisation, dropout and data order."""
+
+    # --- policies applied from outside the model ---
+    precision: str = "auto"
+    """auto (bf16 where the device has native bf16, else fp32), fp32, bf16 (autocast) or fp16 (autocast + loss scaler)."""
+    grad_ckpt: str = "none"
+    """Gradient checkpointing policy: none, alternate, all, every:K."""
+    compile: bool = False
+    """torch.compile the model."""
+    dropout: float | None = None
+    """Override the model's dropout probabilities (hidden and attention)."""
+
+    # --- data pipeline ---
+    sampler: str = "length-grouped"
+    """random, length-grouped (random mega-batches sorted by length: less padding) or sequential."""
+    pad_to_max_length: bool = False
+    """Pad every batch to --max-seq-length instead of the longest sequence in the batch."""
+    cache_dir: str | None = None
+    """Where tokenised features are cached (default: $HPCBERT_CACHE or ~/.cache/hpcbert)."""
+    synthetic_train_size: int = 4096
+    """Training examples of --task synthetic."""
+    synthetic_dev_size: int = 512
+    """Dev examples of --task synthetic."""
+
+    # --- run directory and measurement ---
+    out: str | None = None
+    """Run directory (config.json, metrics.jsonl, summary.json). Default: runs/<task>-<model>-<time>."""
+    log_every: int = 10
+    """Write a metrics.jsonl line (and a log line) every N optimizer steps."""
+    warmup_steps_excluded: int | None = None
+    """Steps excluded from steady-state throughput (default: min(10, 20% of the steps), at least 1)."""
+    do_eval: bool = True
+    """Evaluate on the dev split(s) after training."""
+    threads: int | None = None
+    """torch intra-op threads per process (default: cores / local processes)."""
+
+    def __post_init__(self) -> None:
+        self.task = self.task.lower()
+        self.grad_ckpt = parse_grad_ckpt(self.grad_ckpt)
+        _choice("precision", self.precision, PRECISIONS)
+        _choice("optimizer", self.optimizer, OPTIMIZERS)
+        _choice("sampler", self.sampler, SAMPLERS)
+        _choice("lr_scaling", self.lr_scaling, LR_SCALINGS)
+        self.time_budget = parse_duration(self.time_budget, "time_budget")
+        for name in ("max_seq_length", "batch_size", "grad_accum", "eval_batch_size", "log_every",
+                     "synthetic_train_size", "synthetic_dev_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
+        if self.max_seq_length > 512:
+            raise ValueError(f"max_seq_length: {self.max_seq_length} exceeds BERT's 512 positions")
+        if self.max_steps is not None and self.max_steps < 1:
+            raise ValueError(f"max_steps: must be >= 1, got {self.max_steps}")
+        if self.max_steps is None and self.epochs <= 0:
+            raise ValueError(f"epochs: must be > 0 when --max-steps is not given, got {self.epochs}")
+        if self.lr <= 0:
+            raise ValueError(f"lr: must be > 0, got {self.lr}")
+        if not 0 <= self.warmup_ratio < 1:
+            raise ValueError(f"warmup_ratio: must be in [0, 1), got {self.warmup_ratio}")
+        if self.dropout is not None and not 0 <= self.dropout < 1:
+            raise ValueError(f"dropout: must be in [0, 1), got {self.dropout}")
+        if self.task != "synthetic" and not self.data_dir:
+            raise ValueError(f"data_dir: task {self.task!r} reads GLUE files; pass --data-dir GLUE_DIR "
+                             f"(or use --task synthetic)")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "RunConfig":
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"config: unknown field(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+        return cls(**d)
+
+    def replace(self, **changes: Any) -> "RunConfig":
+        return dataclasses.replace(self, **changes)
+
+
+def field_help() -> dict[str, str]:
+    """Field name -> docstring, read from this file's source (the docstring under each field)."""
+    import ast
+    import inspect
+
+    tree = ast.parse(inspect.getsource(RunConfig))
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    out: dict[str, str] = {}
+    for node, nxt in zip(body, body[1:]):
+        if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
+            out[node.target.id] = str(nxt.value.value)  # type: ignore[attr-defined]
+    return out

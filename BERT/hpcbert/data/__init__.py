@@ -1,0 +1,1 @@
+"""GLUE data readers (`glue`) and task metrics (`metrics`)."""

@@ -1,0 +1,212 @@
+"""Tokenised features, their on-disk cache, batching with dynamic padding, and samplers.
+
+Features are ragged: all token ids of a split concatenated in one int32 array plus offsets, so a
+split of any size is three arrays, cached as one .npz keyed by (file contents, tokenizer, length).
+
+Samplers work on *global* batches: for every optimizer step they yield the indices of all the
+sequences that step consumes, over all ranks and accumulation steps. `shard` then gives one rank
+its micro-batches. The same seed gives the same global order for 1 or N processes, which is what
+makes 1-vs-N runs comparable step by step.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+FEATURE_VERSION = 1  # bump when the feature layout or tokenisation rules change
+
+
+@dataclass
+class Features:
+    ids: np.ndarray        # (total_tokens,) int32: every sequence's token ids, concatenated
+    type_ids: np.ndarray   # (total_tokens,) int8: segment (token type) ids
+    offsets: np.ndarray    # (n + 1,) int64: sequence i is ids[offsets[i]:offsets[i+1]]
+    labels: np.ndarray     # (n,) int64 class index or float32 score
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    @property
+    def lengths(self) -> np.ndarray:
+        return np.diff(self.offsets)
+
+    @classmethod
+    def from_lists(cls, ids: list, type_ids: list, labels) -> "Features":
+        lengths = np.fromiter((len(x) for x in ids), dtype=np.int64, count=len(ids))
+        offsets = np.zeros(len(ids) + 1, dtype=np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        flat = np.fromiter((t for x in ids for t in x), dtype=np.int32, count=int(offsets[-1]))
+        flat_t = np.fromiter((t for x in type_ids for t in x), dtype=np.int8, count=int(offsets[-1]))
+        return cls(flat, flat_t, offsets, np.asarray(labels))
+
+    def save(self, path: Path) -> None:
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp.npz")
+        np.savez(tmp, ids=self.ids, type_ids=self.type_ids, offsets=self.offsets, labels=self.labels)
+        os.replace(tmp, path)  # atomic: concurrent readers see the old file or the new one
+
+    @classmethod
+    def load(cls, path: Path) -> "Features":
+        with np.load(path, allow_pickle=False) as z:
+            return cls(z["ids"], z["type_ids"], z["offsets"], z["labels"])
+
+
+# --- tokenisation --------------------------------------------------------------------------------
+
+def load_tokenizer(path: str | os.PathLike, max_seq_length: int):
+    """A `tokenizers.Tokenizer` from a directory (tokenizer.json preferred, else vocab.txt) or a
+    file, with truncation to max_seq_length (longest first, as BERT's run_classifier) and no
+    padding (batches pad themselves)."""
+    from tokenizers import Tokenizer
+    from tokenizers.implementations import BertWordPieceTokenizer
+
+    p = Path(path)
+    tj = p / "tokenizer.json" if p.is_dir() else p
+    vocab = p / "vocab.txt" if p.is_dir() else p
+    if tj.name.endswith(".json") and tj.is_file():
+        tok = Tokenizer.from_file(str(tj))
+    elif vocab.is_file():
+        lower = True
+        cfg = vocab.parent / "tokenizer_config.json"
+        if cfg.is_file():
+            lower = bool(json.loads(cfg.read_text()).get("do_lower_case", True))
+        tok = BertWordPieceTokenizer(str(vocab), lowercase=lower)
+    else:
+        raise ValueError(f"tokenizer: {p} has neither tokenizer.json nor vocab.txt")
+    tok.no_padding()
+    tok.enable_truncation(max_length=max_seq_length, strategy="longest_first")
+    return tok
+
+
+def tokenizer_fingerprint(tok) -> str:
+    return hashlib.sha256(tok.to_str().encode()).hexdigest()[:16]
+
+
+def tokenize_examples(tok, examples) -> Features:
+    """Examples (text_a, text_b, label) -> Features, in one batched call to the Rust tokenizer."""
+    pairs = [(e.text_a, e.text_b) if e.text_b is not None else e.text_a for e in examples]
+    enc = tok.encode_batch(pairs)
+    return Features.from_lists([e.ids for e in enc], [e.type_ids for e in enc], [e.label for e in examples])
+
+
+def default_cache_dir() -> Path:
+    return Path(os.environ.get("HPCBERT_CACHE") or Path.home() / ".cache" / "hpcbert") / "features"
+
+
+def cached_features(source: Path, tok, max_seq_length: int, build, cache_dir: str | None) -> tuple[Features, bool]:
+    """Features for `source`, built with `build()` on a cache miss. Key: sha256 of the file's
+    bytes, the tokenizer's serialised form, the length and FEATURE_VERSION. Returns (features, hit)."""
+    h = hashlib.sha256()
+    with open(source, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    key = f"{h.hexdigest()[:16]}-{tokenizer_fingerprint(tok)}-L{max_seq_length}-v{FEATURE_VERSION}"
+    cdir = Path(cache_dir) if cache_dir else default_cache_dir()
+    path = cdir / f"{source.parent.name}-{source.stem}-{key}.npz"
+    if path.is_file():
+        try:
+            return Features.load(path), True
+        except (OSError, ValueError, KeyError):
+            pass  # a damaged cache file is rebuilt, never trusted
+    feats = build()
+    cdir.mkdir(parents=True, exist_ok=True)
+    feats.save(path)
+    return feats, False
+
+
+# --- batching ------------------------------------------------------------------------------------
+
+@dataclass
+class Batch:
+    input_ids: torch.Tensor              # (B, T) int64
+    token_type_ids: torch.Tensor         # (B, T) int64
+    attention_mask: torch.Tensor | None  # (B, T) bool, None when nothing is padded
+    labels: torch.Tensor                 # (B,)
+    real_tokens: int                     # non-pad tokens in the batch
+
+    def __len__(self) -> int:
+        return self.input_ids.shape[0]
+
+    def to(self, device: torch.device) -> "Batch":
+        nb = device.type == "cuda"
+        return Batch(self.input_ids.to(device, non_blocking=nb), self.token_type_ids.to(device, non_blocking=nb),
+                     None if self.attention_mask is None else self.attention_mask.to(device, non_blocking=nb),
+                     self.labels.to(device, non_blocking=nb), self.real_tokens)
+
+
+def collate(feats: Features, indices, pad_to: int | None = None, pad_id: int = 0) -> Batch:
+    """Pad the chosen sequences to the longest among them (dynamic padding), or to `pad_to`."""
+    idx = np.asarray(indices, dtype=np.int64)
+    lengths = feats.lengths[idx]
+    T = int(pad_to or lengths.max())
+    B = len(idx)
+    ids = np.full((B, T), pad_id, dtype=np.int64)
+    types = np.zeros((B, T), dtype=np.int64)
+    for row, (i, n) in enumerate(zip(idx, lengths)):
+        s = feats.offsets[i]
+        ids[row, :n] = feats.ids[s:s + n]
+        types[row, :n] = feats.type_ids[s:s + n]
+    mask = None if (lengths == T).all() else torch.from_numpy(np.arange(T)[None, :] < lengths[:, None])
+    return Batch(torch.from_numpy(ids), torch.from_numpy(types), mask,
+                 torch.from_numpy(feats.labels[idx]), int(lengths.sum()))
+
+
+def epoch_order(lengths: np.ndarray, sampler: str, seed: int, epoch: int, global_batch: int) -> np.ndarray:
+    """The order in which one epoch visits the examples (every index exactly once).
+
+    length-grouped: a random permutation cut into mega-batches of 50 global batches, each sorted
+    by length (longest first), so a batch holds similar lengths and pads little, while batches
+    stay random in content and order (as HF's LengthGroupedSampler and fairseq's bucketing)."""
+    n = len(lengths)
+    if sampler == "sequential":
+        return np.arange(n)
+    rng = np.random.default_rng([seed, epoch])
+    perm = rng.permutation(n)
+    if sampler == "random":
+        return perm
+    mega = 50 * global_batch
+    chunks = [perm[i:i + mega] for i in range(0, n, mega)]
+    chunks = [c[np.argsort(-lengths[c], kind="stable")] for c in chunks]
+    batches = [b for c in chunks for b in np.split(c, range(global_batch, len(c), global_batch))]
+    # Shuffle whole batches so long and short batches interleave.
+    order = rng.permutation(len(batches))
+    return np.concatenate([batches[i] for i in order]) if batches else perm
+
+
+def global_batches(order: np.ndarray, global_batch: int) -> list[np.ndarray]:
+    """Cut an epoch's order into global batches; the last one may be smaller (kept: every
+    example is seen exactly once per epoch)."""
+    return [order[i:i + global_batch] for i in range(0, len(order), global_batch)]
+
+
+def shard(batch: np.ndarray, per_rank: list[int], rank: int, grad_accum: int) -> list[np.ndarray]:
+    """One rank's micro-batches of a global batch.
+
+    The global batch is laid out as grad_accum rounds; in each round rank r takes per_rank[r]
+    consecutive indices. A short last batch is shared in proportion to per_rank."""
+    full = sum(per_rank) * grad_accum
+    n = len(batch)
+    if n == full:
+        sizes = [list(per_rank) for _ in range(grad_accum)]
+    else:  # proportional split of a short batch: largest-remainder rounding, deterministic
+        share = np.array(per_rank, dtype=np.float64) / sum(per_rank)
+        per_round = [n // grad_accum + (1 if a < n % grad_accum else 0) for a in range(grad_accum)]
+        sizes = []
+        for m in per_round:
+            raw = share * m
+            base = np.floor(raw).astype(int)
+            rest = np.argsort(-(raw - base), kind="stable")[: m - base.sum()]
+            base[rest] += 1
+            sizes.append(base.tolist())
+    out, pos = [], 0
+    for round_sizes in sizes:
+        start = pos + sum(round_sizes[:rank])
+        out.append(batch[start:start + round_sizes[rank]])
+        pos += sum(round_sizes)
+    return out

@@ -1,0 +1,195 @@
+"""Measurements a run reports: step timing, saved activations, peak memory, peak FLOP/s, environment.
+
+Definitions (also in runfiles.SUMMARY_KEYS): steady-state figures sum step times over steps after
+the warm-up; a step's time runs from fetching its first micro-batch to the end of the optimizer
+step (a CPU-GPU sync point on CUDA), so evaluation, checkpointing and logging between steps are
+excluded.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import resource
+import socket
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from . import __version__
+
+
+@dataclass
+class StepMeter:
+    """Per-step records; summary figures computed once at the end."""
+
+    times: list[float] = field(default_factory=list)
+    sequences: list[int] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)          # real (non-pad) tokens
+    padded_tokens: list[int] = field(default_factory=list)   # B*T summed over micro-batches
+    flops: list[float] = field(default_factory=list)         # model FLOPs of the step
+    ends: list[float] = field(default_factory=list)          # wall-clock end of each step
+
+    def add(self, seconds: float, sequences: int, tokens: int, padded: int, flops: float, end: float) -> None:
+        self.times.append(seconds)
+        self.sequences.append(sequences)
+        self.tokens.append(tokens)
+        self.padded_tokens.append(padded)
+        self.flops.append(flops)
+        self.ends.append(end)
+
+    def __len__(self) -> int:
+        return len(self.times)
+
+    @staticmethod
+    def default_warmup(steps: int) -> int:
+        """Steps left out of steady-state figures: min(10, 20% of the run), at least 1 when the
+        run has at least 2 steps (the first step pays for lazy initialisation everywhere)."""
+        return 0 if steps < 2 else max(1, min(10, steps // 5))
+
+    def steady(self, warmup: int) -> dict[str, float | None]:
+        t = np.asarray(self.times[warmup:])
+        if len(t) == 0 or t.sum() <= 0:
+            return {k: None for k in ("steady_steps_per_sec", "steady_sequences_per_sec", "steady_step_time_s",
+                                      "tokens_per_sec", "padded_tokens_per_sec", "model_flops_per_sec")}
+        total = float(t.sum())
+        return {
+            "steady_steps_per_sec": len(t) / total,
+            "steady_sequences_per_sec": sum(self.sequences[warmup:]) / total,
+            "steady_step_time_s": float(np.median(t)),
+            "tokens_per_sec": sum(self.tokens[warmup:]) / total,
+            "padded_tokens_per_sec": sum(self.padded_tokens[warmup:]) / total,
+            "model_flops_per_sec": sum(self.flops[warmup:]) / total,
+        }
+
+
+def activation_bytes_per_sequence(model: nn.Module, seq_len: int, precision_ctx, device: torch.device) -> int:
+    """Bytes the forward pass saves for backward, per sequence of `seq_len` tokens.
+
+    Counts every tensor storage handed to autograd's saved-tensor hooks (each storage once,
+    parameters excluded) for a batch of 2 and a batch of 1, and returns the difference, which
+    cancels batch-independent tensors (autocast's weight copies, position ids). Gradient
+    checkpointing shows up here directly: a checkpointed layer saves only its input. The model
+    must be in training mode (dropout masks count). RNG state is restored afterwards.
+    """
+    assert model.training, "measure activations in training mode"
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+
+    def saved_bytes(batch: int) -> int:
+        seen: set[int] = set()
+        total = 0
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            nonlocal total
+            st = t.untyped_storage()
+            ptr = st.data_ptr()
+            if ptr not in params and ptr not in seen:
+                seen.add(ptr)
+                total += st.nbytes()
+            return t
+
+        ids = torch.randint(1, model.config.vocab_size, (batch, seq_len), device=device)
+        labels = torch.zeros(batch, dtype=torch.long, device=device)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), precision_ctx:
+            logits = model(ids, None, torch.zeros_like(ids))
+            loss = model.loss_sum(logits, labels)  # its saved tensors count too
+        del logits, loss
+        return total
+
+    devices = [device] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        return saved_bytes(2) - saved_bytes(1)
+
+
+def peak_memory(device: torch.device) -> tuple[int, str]:
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device)), "cuda_max_allocated"
+    # ru_maxrss is in KiB on Linux (bytes on macOS).
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(rss if platform.system() == "Darwin" else rss * 1024), "process_max_rss"
+
+
+# Dense (no sparsity) peak FLOP/s from the vendors' data sheets, SXM parts where both exist.
+GPU_PEAK_FLOPS = {
+    "H200": {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12},
+    "H100": {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12},
+    "A100": {"bf16": 312e12, "fp16": 312e12, "fp32": 19.5e12},
+    "L40S": {"bf16": 362e12, "fp16": 362e12, "fp32": 91.6e12},
+    "A10": {"bf16": 125e12, "fp16": 125e12, "fp32": 31.2e12},
+    "V100": {"fp16": 125e12, "fp32": 15.7e12},
+    "T4": {"fp16": 65e12, "fp32": 8.1e12},
+}
+_measured_peak: dict[tuple, float] = {}
+
+
+def peak_flops(device: torch.device, precision: str) -> tuple[float | None, str]:
+    """Peak FLOP/s at `precision`: a data-sheet table for GPUs; on CPU, measured with a large
+    matmul at the current thread count (the honest ceiling of this machine)."""
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        for key, table in GPU_PEAK_FLOPS.items():
+            if key in name:
+                value = table.get(precision)
+                return value, (f"data sheet, {key} {precision}" if value else f"no {precision} peak known for {name}")
+        return None, f"no peak known for {name}"
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+    key = (dtype, torch.get_num_threads())
+    if key not in _measured_peak:
+        n = 1024
+        a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+        a @ b  # warm-up
+        reps, t0 = 0, time.perf_counter()
+        while reps < 2 or time.perf_counter() - t0 < 0.3:
+            a @ b
+            reps += 1
+        _measured_peak[key] = 2 * n ** 3 * reps / (time.perf_counter() - t0)
+    return _measured_peak[key], f"measured {1024}x{1024} {precision} matmul, {torch.get_num_threads()} threads"
+
+
+def cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def hardware(device: torch.device) -> dict:
+    info = {"hostname": socket.gethostname(), "cpu": cpu_name(), "cores": os.cpu_count(),
+            "threads": torch.get_num_threads(), "device_type": device.type}
+    if device.type == "cuda":
+        info.update(device=torch.cuda.get_device_name(device), device_count=torch.cuda.device_count())
+    else:
+        info.update(device=f"CPU ({info['cpu']})", device_count=1)
+    return info
+
+
+def versions() -> dict:
+    import tokenizers
+
+    v = {"python": platform.python_version(), "torch": torch.__version__, "tokenizers": tokenizers.__version__,
+         "numpy": np.__version__, "hpcbert": __version__}
+    if torch.cuda.is_available():
+        v.update(cuda=torch.version.cuda, nccl=".".join(map(str, torch.cuda.nccl.version())))
+    return v
+
+
+def git_commit() -> str | None:
+    here = Path(__file__).resolve().parent
+    try:
+        out = subprocess.run(["git", "-C", str(here), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5)
+        if out.returncode != 0:
+            return None
+        dirty = subprocess.run(["git", "-C", str(here), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=5).stdout.strip()
+        return out.stdout.strip() + ("-dirty" if dirty else "")
+    except (OSError, subprocess.TimeoutExpired):
+        return None

@@ -1,0 +1,166 @@
+"""The run directory contract: what a run leaves behind and how it is read back.
+
+    RUN_DIR/config.json     the resolved RunConfig (RunConfig.from_dict reads it back)
+    RUN_DIR/metrics.jsonl   one JSON object per logged optimizer step (METRIC_KEYS)
+    RUN_DIR/summary.json    one JSON object written at the end (SUMMARY_KEYS), schema_version first
+
+Only rank 0 writes these files. Writes are atomic (temporary file + fsync + rename) so a reader
+never sees half a file. `train.py` writes them, `report.py` reads them; both use this module.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+SCHEMA_VERSION = 1
+
+# summary.json keys and their meaning (units in the name where there is one). A figure that cannot
+# be measured on a device is null, never zero.
+SUMMARY_KEYS: dict[str, str] = {
+    "schema_version": "version of this schema (int)",
+    "hpcbert_version": "package version that wrote the run",
+    "run": "run directory name",
+    "task": "task name (GLUE task or 'synthetic')",
+    "model": "model name or path",
+    "model_is_random": "true when the weights are random (bert-tiny/base/large shapes), not pretrained",
+    "num_layers": "encoder layers",
+    "hidden_size": "hidden width",
+    "max_seq_length": "truncation length",
+    "precision": "resolved precision actually used (fp32, bf16, fp16)",
+    "compile": "torch.compile used",
+    "grad_ckpt": "gradient checkpointing policy",
+    "ckpt_layers": "indices of checkpointed encoder layers",
+    "optimizer": "adamw or lamb",
+    "lr": "peak learning rate after scaling",
+    "seed": "seed",
+    "world_size": "number of processes",
+    "nodes": "number of nodes",
+    "gpus_per_node": "devices per node (processes per node)",
+    "per_device_batch_size": "micro-batch per device (list when per-rank batches differ)",
+    "grad_accum": "micro-batches per optimizer step",
+    "global_batch_size": "sequences per optimizer step over all ranks",
+    "steps": "optimizer steps run",
+    "epochs_done": "epochs covered (fractional)",
+    "sequences": "training sequences processed",
+    "startup_s": "seconds from process start to the first training step",
+    "train_s": "seconds from the first step's start to the last step's end (logging, checkpoints included)",
+    "warmup_steps_excluded": "first steps left out of the steady-state figures",
+    "steady_steps_per_sec": "optimizer steps / summed step time over steady steps (warm-up, eval, checkpoint and logging time excluded)",
+    "steady_sequences_per_sec": "sequences / summed step time over steady steps",
+    "steady_step_time_s": "median step time over steady steps",
+    "e2e_sequences_per_sec": "sequences / (startup_s + train_s): end to end, from process start",
+    "tokens_per_sec": "real (non-pad) tokens / summed step time over steady steps",
+    "padded_tokens_per_sec": "tokens incl. padding / summed step time over steady steps",
+    "throughput_method": "how the steady figures were measured, in words",
+    "time_budget_s": "wall-clock budget from process start (null: none)",
+    "steps_in_budget": "optimizer steps that finished inside the budget (null: no budget)",
+    "sequences_in_budget": "sequences of those steps (null: no budget)",
+    "stopped_by": "max_steps, epochs, time_budget or signal",
+    "activation_bytes_per_sequence": "bytes saved for backward per sequence at max_seq_length, measured with saved-tensor hooks (difference of batch 2 and batch 1)",
+    "peak_memory_bytes": "CUDA allocator peak (GPU) or process peak RSS (CPU)",
+    "peak_memory_kind": "cuda_max_allocated or process_max_rss",
+    "model_flops_per_sec": "model FLOPs/s over steady steps, from 3*L*(24*s*h^2 + 4*s^2*h) per sequence at the padded length",
+    "peak_flops": "device peak FLOP/s at the precision used (table for GPUs, measured matmul on CPU)",
+    "peak_flops_source": "where peak_flops came from",
+    "mfu": "model_flops_per_sec / peak_flops",
+    "final_loss": "mean training loss over the last logged window",
+    "eval": "{split: {metric: value}} on the dev split(s); {} when not evaluated",
+    "main_metric": "the task's headline metric name (f1, accuracy, mcc, pearson)",
+    "per_rank_step_time_s": "{min, median, max, slowest_rank} of per-rank median step time",
+    "versions": "python, torch, tokenizers, hpcbert",
+    "hardware": "device name, device count, cpu, cores, threads",
+    "git_commit": "commit of the hpcbert checkout (null outside git)",
+}
+
+METRIC_KEYS = ("step", "epoch", "loss", "lr", "grad_norm", "step_time_s", "sequences_per_sec",
+               "tokens_per_sec", "elapsed_s")
+
+
+def write_json_atomic(path: str | os.PathLike, obj: Any) -> None:
+    """Write JSON via a temporary file in the same directory, fsync, then rename."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(obj, f, indent=2, sort_keys=False, default=_json_default)
+            f.write("\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def _json_default(o: Any) -> Any:
+    if hasattr(o, "item"):
+        return o.item()
+    if isinstance(o, Path):
+        return str(o)
+    raise TypeError(f"not JSON serialisable: {type(o).__name__}")
+
+
+class MetricsWriter:
+    """Appends one JSON line per call to metrics.jsonl (rank 0 only; one writer per file)."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._f = open(self.path, "a", buffering=1)
+
+    def write(self, record: dict[str, Any]) -> None:
+        self._f.write(json.dumps(record, default=_json_default) + "\n")
+
+    def close(self) -> None:
+        self._f.flush()
+        os.fsync(self._f.fileno())
+        self._f.close()
+
+
+class RunDirError(ValueError):
+    """A directory that is not a readable hpcbert run; the message names the run and what is wrong."""
+
+
+def read_summary(run_dir: str | os.PathLike) -> dict[str, Any]:
+    """Read and validate RUN_DIR/summary.json; RunDirError names the run and what is missing."""
+    run_dir = Path(run_dir)
+    path = run_dir / "summary.json"
+    if not path.is_file():
+        raise RunDirError(f"{run_dir}: not an hpcbert run (no summary.json)")
+    try:
+        summary = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise RunDirError(f"{path}: not valid JSON ({e})") from e
+    if not isinstance(summary, dict):
+        raise RunDirError(f"{path}: expected a JSON object")
+    version = summary.get("schema_version")
+    if version != SCHEMA_VERSION:
+        raise RunDirError(f"{path}: schema_version {version!r} is not supported "
+                          f"(this hpcbert reads version {SCHEMA_VERSION})")
+    missing = [k for k in SUMMARY_KEYS if k not in summary]
+    if missing:
+        raise RunDirError(f"{path}: missing key(s) {', '.join(missing)}")
+    return summary
+
+
+def read_metrics(run_dir: str | os.PathLike) -> list[dict[str, Any]]:
+    """Read RUN_DIR/metrics.jsonl; a malformed line is an error naming file and line."""
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.is_file():
+        return []
+    out = []
+    with open(path) as f:
+        for i, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError as e:
+                raise RunDirError(f"{path}:{i}: not valid JSON ({e})") from e
+    return out

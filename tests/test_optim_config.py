@@ -1,0 +1,57 @@
+"""LAMB, the LR schedule, LR scaling and config validation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hpcbert.config import RunConfig, parse_duration
+from hpcbert.optim import Lamb, scaled_lr, warmup_linear
+
+
+def test_lamb_step_matches_the_paper_formula():
+    torch.manual_seed(0)
+    w0 = torch.randn(5, 3)
+    g = torch.randn(5, 3)
+    p = torch.nn.Parameter(w0.clone())
+    opt = Lamb([p], lr=0.1, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.01)
+    p.grad = g.clone()
+    opt.step()
+    m, v = 0.1 * g, 0.001 * g * g
+    r = (m / 0.1) / ((v / 0.001).sqrt() + 1e-6) + 0.01 * w0
+    expected = w0 - 0.1 * (w0.norm() / r.norm()) * r
+    assert torch.allclose(p.detach(), expected, atol=1e-6)
+
+
+def test_warmup_then_linear_decay():
+    f = warmup_linear(4, 10)
+    assert [round(f(s), 4) for s in range(11)] == [0.25, 0.5, 0.75, 1.0, 1.0, 0.8333, 0.6667, 0.5, 0.3333, 0.1667, 0.0]
+
+
+def test_lr_scaling():
+    assert scaled_lr(1e-4, "none", 8) == 1e-4
+    assert scaled_lr(1e-4, "linear", 8) == pytest.approx(8e-4)
+    assert scaled_lr(1e-4, "sqrt", 4) == pytest.approx(2e-4)
+
+
+@pytest.mark.parametrize("text,seconds", [("20m", 1200), ("1h30m", 5400), ("90s", 90), ("1200", 1200),
+                                          ("00:20:00", 1200), (45, 45)])
+def test_durations(text, seconds):
+    assert parse_duration(text) == seconds
+
+
+@pytest.mark.parametrize("kwargs,field", [
+    (dict(precision="fp8"), "precision"), (dict(grad_ckpt="half"), "grad_ckpt"), (dict(batch_size=0), "batch_size"),
+    (dict(time_budget="twenty minutes"), "time_budget"), (dict(task="mrpc"), "data_dir"),
+    (dict(optimizer="sgd"), "optimizer"), (dict(max_seq_length=1024), "max_seq_length"), (dict(sampler="x"), "sampler"),
+])
+def test_bad_config_names_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=rf"^{field}:"):
+        RunConfig(**kwargs)
+
+
+def test_config_round_trip_and_unknown_keys():
+    cfg = RunConfig(time_budget="20m", grad_ckpt="every:3")
+    assert RunConfig.from_dict(cfg.to_dict()) == cfg
+    with pytest.raises(ValueError, match="unknown field.*bogus"):
+        RunConfig.from_dict({**cfg.to_dict(), "bogus": 1})

@@ -1,0 +1,107 @@
+"""Gradient checkpointing is a policy: same loss and gradients as none, fewer saved bytes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hpcbert import policies
+from hpcbert.meters import activation_bytes_per_sequence
+from hpcbert.model import BertConfig, BertForSequenceClassification
+
+CFG = dict(vocab_size=400, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, intermediate_size=128,
+           max_position_embeddings=64, hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1)
+
+
+def make(policy: str, layers: int = 4) -> BertForSequenceClassification:
+    torch.manual_seed(0)
+    m = BertForSequenceClassification(BertConfig(**{**CFG, "num_hidden_layers": layers}))
+    policies.apply_grad_ckpt(m, policy)
+    return m.train()
+
+
+def batch():
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(5, 400, (4, 24), generator=g)
+    mask = torch.arange(24)[None] < torch.tensor([24, 20, 9, 15])[:, None]
+    return ids, mask, torch.zeros_like(ids), torch.tensor([0, 1, 1, 0])
+
+
+def loss_and_grads(m):
+    ids, mask, types, labels = batch()
+    torch.manual_seed(123)  # same dropout stream for every policy
+    loss = m.loss_sum(m(ids, mask, types), labels)
+    loss.backward()
+    # Wrapped layers show their parameters under '_checkpoint_wrapped_module.' (state_dict keys do not).
+    return loss.detach(), {n.replace("._checkpoint_wrapped_module", ""): p.grad.clone() for n, p in m.named_parameters()}
+
+
+@pytest.mark.parametrize("policy", ["alternate", "all", "every:3"])
+def test_same_loss_and_gradients_as_none_with_dropout(policy):
+    ref_loss, ref_grads = loss_and_grads(make("none"))
+    loss, grads = loss_and_grads(make(policy))
+    assert grads.keys() == ref_grads.keys()
+    assert torch.allclose(loss, ref_loss, rtol=1e-6, atol=0)
+    for name, g in grads.items():
+        rel = (g - ref_grads[name]).norm() / ref_grads[name].norm().clamp_min(1e-30)
+        assert rel <= 1e-6, f"{policy}: gradient of {name} differs by {rel:.2e} relative"
+    # Dropout was really on: a different dropout stream changes the loss.
+    m = make("none")
+    ids, mask, types, labels = batch()
+    torch.manual_seed(7)
+    assert not torch.allclose(m.loss_sum(m(ids, mask, types), labels), ref_loss)
+
+
+def test_saved_activation_bytes_fall_none_alternate_all():
+    measured = {}
+    for policy in ("none", "alternate", "all"):
+        m = make(policy, layers=6)
+        measured[policy] = activation_bytes_per_sequence(m, 32, torch.autocast("cpu", enabled=False), torch.device("cpu"))
+    assert measured["none"] > measured["alternate"] > measured["all"] > 0
+    # A checkpointed layer keeps only its input, so 'all' saves far less than half of 'none'.
+    assert measured["all"] < 0.25 * measured["none"]
+
+
+def test_layer_choice_per_policy_for_any_depth():
+    assert policies.ckpt_layer_indices("none", 12) == []
+    assert policies.ckpt_layer_indices("all", 3) == [0, 1, 2]
+    assert policies.ckpt_layer_indices("alternate", 24) == list(range(0, 24, 2))
+    assert policies.ckpt_layer_indices("every:4", 12) == [0, 4, 8]
+    with pytest.raises(ValueError, match="grad_ckpt: unknown policy 'every:0'"):
+        policies.ckpt_layer_indices("every:0", 12)
+
+
+def test_state_dict_keys_unchanged_by_wrapping():
+    assert make("all").state_dict().keys() == make("none").state_dict().keys()
+    m = make("alternate")
+    m.load_state_dict(make("none").state_dict())  # strict: loads across policies
+
+
+def test_inactive_in_evaluation_and_no_grad(monkeypatch):
+    calls = []
+    real = policies.checkpoint
+    monkeypatch.setattr(policies, "checkpoint", lambda *a, **k: calls.append(1) or real(*a, **k))
+    m = make("all")
+    ids, mask, types, _ = batch()
+    m.eval()
+    m(ids, mask, types).sum().backward()  # eval mode, grad on
+    with torch.no_grad():
+        m.train()(ids, mask, types)       # training mode, no grad
+    assert calls == []
+    m(ids, mask, types)                   # training with grad: every layer recomputes
+    assert len(calls) == 4
+
+
+def test_wrapping_twice_is_refused():
+    m = make("all")
+    with pytest.raises(RuntimeError, match="already applied"):
+        policies.apply_grad_ckpt(m, "all")
+
+
+def test_auto_precision_is_fp32_without_native_bf16(monkeypatch):
+    monkeypatch.setattr(policies, "device_has_native_bf16", lambda d: False)
+    assert policies.resolve_precision("auto", torch.device("cpu")) == "fp32"
+    monkeypatch.setattr(policies, "device_has_native_bf16", lambda d: True)
+    assert policies.resolve_precision("auto", torch.device("cpu")) == "bf16"
+    with pytest.raises(ValueError, match="fp16 autocast needs a CUDA device"):
+        policies.resolve_precision("fp16", torch.device("cpu"))
