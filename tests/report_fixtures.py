@@ -15,10 +15,15 @@ from typing import Any
 from hpcbert.config import RunConfig
 from hpcbert.runfiles import SCHEMA_VERSION, SUMMARY_KEYS, MetricsWriter, write_json_atomic
 
-THROUGHPUT_METHOD = ("steady state: optimizer steps after the first warmup_steps_excluded; summed step "
-                     "time, warm-up, eval, checkpoint and logging time excluded")
-V100 = {"device_name": "Tesla V100-SXM2-32GB", "device_count": 4, "cpu": "Intel Xeon Gold 6148",
-        "cores": 40, "threads": 5}
+# As train.py words it; the step range depends on the run's length.
+THROUGHPUT_METHOD = ("summed step times of steps 11..{steps} (first 10 excluded as warm-up); a step runs "
+                     "from its first batch to the end of the optimizer step, so evaluation, checkpoint "
+                     "and logging time is excluded")
+# As meters.hardware() writes it.
+V100 = {"hostname": "dgx01", "cpu": "Intel Xeon Gold 6148", "cores": 40, "threads": 5,
+        "device_type": "cuda", "device": "Tesla V100-SXM2-32GB", "device_count": 4}
+CPU = {"hostname": "vm", "cpu": "AMD EPYC 7B13", "cores": 2, "threads": 2, "device_type": "cpu",
+       "device": "CPU (AMD EPYC 7B13)", "device_count": 1}
 MiB = 2**20
 
 
@@ -41,15 +46,17 @@ def make_run(parent: str | Path, name: str, *, config: dict[str, Any] | None = N
     steps = steps_in_budget if steps_in_budget is not None else 500
     ev = {"dev": {k: v for k, v in (("accuracy", accuracy), ("f1", f1)) if v is not None}}
     hw = dict(hardware or V100)
-    hw["device_count"] = gpus_per_node
+    if hw["device_type"] == "cuda":
+        hw["device_count"] = gpus_per_node
     values: dict[str, Any] = {
         "schema_version": SCHEMA_VERSION, "hpcbert_version": "0.1.0", "run": name,
         "task": cfg.task, "model": cfg.model, "model_is_random": False, "num_layers": 6,
         "hidden_size": 384, "max_seq_length": cfg.max_seq_length,
         "precision": "bf16" if cfg.precision == "auto" else cfg.precision, "compile": cfg.compile,
         "grad_ckpt": cfg.grad_ckpt, "ckpt_layers": _ckpt_layers(cfg.grad_ckpt, 6),
-        "optimizer": cfg.optimizer, "lr": cfg.lr, "seed": cfg.seed, "world_size": world_size,
-        "nodes": nodes, "gpus_per_node": gpus_per_node, "per_device_batch_size": cfg.batch_size,
+        "optimizer": cfg.optimizer, "lr": cfg.lr, "lr_scaling": cfg.lr_scaling, "seed": cfg.seed,
+        "world_size": world_size, "nodes": nodes, "gpus_per_node": gpus_per_node,
+        "dist_backend": "nccl" if world_size > 1 else None, "per_device_batch_size": cfg.batch_size,
         "grad_accum": cfg.grad_accum, "global_batch_size": global_batch, "steps": steps,
         "epochs_done": steps * global_batch / 3668, "sequences": steps * global_batch,
         "startup_s": 30.0, "train_s": steps / steps_per_s, "warmup_steps_excluded": 10,
@@ -57,7 +64,7 @@ def make_run(parent: str | Path, name: str, *, config: dict[str, Any] | None = N
         "steady_step_time_s": step_time_s if step_time_s is not None else 1.0 / steps_per_s,
         "e2e_sequences_per_sec": steps * global_batch / (30.0 + steps / steps_per_s),
         "tokens_per_sec": seq_per_s * 40.0, "padded_tokens_per_sec": seq_per_s * 48.0,
-        "throughput_method": THROUGHPUT_METHOD, "time_budget_s": cfg.time_budget,
+        "throughput_method": THROUGHPUT_METHOD.format(steps=steps), "time_budget_s": cfg.time_budget,
         "steps_in_budget": steps_in_budget,
         "sequences_in_budget": None if steps_in_budget is None else steps_in_budget * global_batch,
         "stopped_by": "time_budget" if cfg.time_budget else "max_steps",

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import base64
+import dataclasses
 import html
 import io
 import json
@@ -72,7 +73,7 @@ COLUMN_DOCS = {
     "seq_len": "max_seq_length (truncation length)",
     "precision": "precision actually used",
     "compile": "torch.compile used",
-    "hardware": "device name (CPU model and cores on CPU)",
+    "hardware": "device name (on CPU: CPU model and cores)",
     "nodes_x_gpus": "nodes x devices (processes) per node",
     "world_size": "processes",
     "per_device_batch": "micro-batch per device (a/b/... when ranks differ)",
@@ -242,10 +243,11 @@ def hardware_label(hw: Any) -> str:
     """A short name for summary['hardware']: the device name, or the CPU model and cores on CPU."""
     if not isinstance(hw, dict):
         return str(hw) if hw else "unknown"
-    name = next((hw[k] for k in ("device_name", "device", "gpu", "name") if hw.get(k)), None)
-    if name is None or str(name).lower() == "cpu":
-        cpu = hw.get("cpu") or "CPU"
-        return f"{cpu} ({hw['cores']} cores)" if hw.get("cores") else str(cpu)
+    # meters.hardware(): {hostname, cpu, cores, threads, device_type, device, device_count}.
+    # The host name is left out: seeds of one configuration may run on different nodes.
+    name = hw.get("device") or hw.get("cpu") or "unknown"
+    if hw.get("device_type", "cpu") == "cpu" and hw.get("cores"):
+        return f"{name}, {hw['cores']} cores"
     return str(name)
 
 
@@ -253,11 +255,20 @@ def hardware_label(hw: Any) -> str:
 # The table
 # ---------------------------------------------------------------------------------------------
 
+def _config_defaults() -> dict[str, Any]:
+    from hpcbert.config import RunConfig
+
+    return {f.name: f.default for f in dataclasses.fields(RunConfig)
+            if f.default is not dataclasses.MISSING}
+
+
 def _group_key(run: dict) -> str:
     """Everything that defines a run except its seed: the config without out/seed, plus how it
     was launched and on what (not in config.json: world size, nodes, resolved precision, device)."""
     s = run["summary"]
-    cfg = {k: v for k, v in run["config"].items() if k not in SEED_GROUP_IGNORES}
+    # A field that a run's hpcbert did not have yet counts as its default (a new option's default
+    # keeps the old behaviour), so runs from before and after its addition still group.
+    cfg = {k: v for k, v in {**_config_defaults(), **run["config"]}.items() if k not in SEED_GROUP_IGNORES}
     launch = {k: s[k] for k in ("task", "model", "max_seq_length", "precision", "compile", "grad_ckpt",
                                 "optimizer", "world_size", "nodes", "gpus_per_node",
                                 "per_device_batch_size", "grad_accum", "global_batch_size")}
@@ -288,7 +299,11 @@ def _grouped(runs: Sequence[dict]) -> list[list[dict]]:
     groups: dict[str, list[dict]] = {}
     for r in runs:
         groups.setdefault(_group_key(r), []).append(r)
-    out = [sorted(g, key=lambda r: (str(r["summary"]["seed"]), r["label"])) for g in groups.values()]
+    def by_seed(r: dict) -> tuple:
+        seed = r["summary"]["seed"]
+        return (0, seed, r["label"]) if _is_number(seed) else (1, str(seed), r["label"])
+
+    out = [sorted(g, key=by_seed) for g in groups.values()]
     return sorted(out, key=lambda g: _sort_key(g[0]["summary"], _group_label(g)))
 
 
@@ -327,7 +342,8 @@ def _metric_columns(runs: Sequence[dict]) -> dict[tuple[str, str], str]:
     pairs = sorted({(sp, m) for r in runs for sp, ms in r["summary"]["eval"].items() for m in ms})
     mains = {r["summary"]["main_metric"] for r in runs}
     bare = {sp for sp, _ in pairs} <= {"dev"}
-    taken = set(DESCRIPTIVE) | {c for c, *_ in MEASURED} | set(DERIVED_DECIMALS)
+    # 'loss' alone would read like the training loss: it stays 'dev/loss'.
+    taken = set(DESCRIPTIVE) | {c for c, *_ in MEASURED} | set(DERIVED_DECIMALS) | {"loss"}
     names = {}
     for sp, m in sorted(pairs, key=lambda p: (p[1] not in mains, p[0] != "dev", p[0], p[1])):
         name = m if bare and m not in taken else f"{sp}/{m}"
@@ -409,8 +425,9 @@ def build_table(runs: Sequence[dict], baseline: dict | Sequence[dict] | None = N
             v["step_time_vs_none"] = v["step_time_ms"] / ref_step if ref_step else float("nan")
 
     measured = [c for c, *_ in MEASURED] + list(metric_names.values()) + ["final_loss"]
+    scaling = bool(base) and any(r["summary"]["world_size"] != base_ws for r in runs)
     if base:
-        measured += ["speedup", "scaling_eff"]
+        measured += ["speedup", "scaling_eff"] if scaling else ["speedup"]
     if policy_columns:
         measured += ["act_vs_none", "step_time_vs_none"]
 
@@ -437,7 +454,7 @@ def build_table(runs: Sequence[dict], baseline: dict | Sequence[dict] | None = N
     table = pd.DataFrame(rows, columns=columns)
     if table["per_device_batch"].map(type).nunique() > 1:  # mixed ints and 'a/b' texts
         table["per_device_batch"] = table["per_device_batch"].astype(str)
-    table.attrs["caption"] = _caption(runs, table, base, base_seq, base_ws, policy_columns)
+    table.attrs["caption"] = _caption(runs, table, base, base_seq, base_ws, scaling, policy_columns)
     return table
 
 
@@ -447,7 +464,7 @@ def _constant(values: Iterable[Any]) -> Any | None:
 
 
 def _caption(runs: Sequence[dict], table: pd.DataFrame, base: list[dict], base_seq: float,
-             base_ws: float, policy_columns: bool) -> list[str]:
+             base_ws: float, scaling: bool, policy_columns: bool) -> list[str]:
     """Sentences: what is fixed across the rows, how throughput was measured, what ± means."""
     sums = [r["summary"] for r in runs]
     fixed = []
@@ -469,9 +486,9 @@ def _caption(runs: Sequence[dict], table: pd.DataFrame, base: list[dict], base_s
         fixed.append(f"time budget {budget:g} s from process start")
     lines = [("Fixed across rows: " + "; ".join(fixed) + ".") if fixed else "Nothing is fixed across rows."]
 
-    methods = sorted({str(s["throughput_method"]) for s in sums})
+    method = _merge_texts([str(s["throughput_method"]) for s in sums])
     warm = sorted({s["warmup_steps_excluded"] for s in sums}, key=str)
-    lines.append(f"Throughput: {' | '.join(methods)}" + ("" if methods[0].endswith(".") else "."))
+    lines.append(f"Throughput: {method}" + ("" if method.endswith(".") else "."))
     lines.append("Warm-up steps excluded from the steady figures: "
                  + ", ".join(str(w) for w in warm) + ".")
     kinds = sorted({str(s["peak_memory_kind"]) for s in sums})
@@ -489,12 +506,26 @@ def _caption(runs: Sequence[dict], table: pd.DataFrame, base: list[dict], base_s
     if base:
         names = ", ".join(sorted(b["label"] for b in base))
         lines.append(f"speedup = seq_per_s / {base_seq:.1f} seq/s of baseline {names} (world size "
-                     f"{base_ws}); scaling_eff = speedup / (world_size / {base_ws}), where world "
-                     f"sizes differ.")
+                     f"{base_ws})" + (f"; scaling_eff = speedup / (world_size / {base_ws}), where "
+                                      f"world sizes differ." if scaling else "."))
     if policy_columns:
         lines.append("act_vs_none, step_time_vs_none: ratio to grad_ckpt none with otherwise equal "
                      "settings (step time: same batch and world size).")
     return lines
+
+
+def _merge_texts(texts: Sequence[str]) -> str:
+    """One text for texts that differ only in their numbers (a step range such as 'steps 11..N'):
+    the numbers that differ become N. Texts that differ otherwise are joined with ' | '."""
+    uniq = sorted(set(texts))
+    if len(uniq) == 1:
+        return uniq[0]
+    parts = [re.split(r"(\d+(?:\.\d+)?)", t) for t in uniq]  # [text, number, text, ..., text]
+    n = len(parts[0])
+    if any(len(p) != n for p in parts) or any(len({p[i] for p in parts}) > 1 for i in range(0, n, 2)):
+        return " | ".join(uniq)
+    merged = "".join(parts[0][i] if len({p[i] for p in parts}) == 1 else "N" for i in range(n))
+    return f"{merged} (N differs between runs)"
 
 
 def caption_text(table: pd.DataFrame) -> str:
@@ -761,7 +792,8 @@ def plot_loss_curves(runs: Sequence[dict]) -> tuple[str | None, str]:
     colors = _colors()
     for ax, task in zip(axes, tasks):
         for n, r in enumerate(x for x in with_metrics if x["summary"]["task"] == task):
-            pts = [(m["step"], m["loss"]) for m in r["metrics"] if _is_number(m["loss"]) and _is_number(m["step"])]
+            pts = [(m["step"], m["loss"]) for m in r["metrics"]
+                   if _is_number(m["loss"]) and _is_number(m["step"])]
             ax.plot([p[0] for p in pts], [p[1] for p in pts], color=colors[n % len(colors)],
                     label=r["label"], linewidth=1.2)
         ax.set_title(f"task {task}", fontsize=10)
@@ -790,7 +822,8 @@ def plot_policies(table: pd.DataFrame) -> tuple[str | None, str]:
     fig = _figure(10.0, 3.8 * len(shown))
     axes = fig.subplots(len(shown), 2, squeeze=False)
     for (key, rows), (ax_act, ax_step) in zip(shown, axes):
-        rows = sorted(rows, key=lambda i: (policy_rank(table["grad_ckpt"].iloc[i]), table["grad_ckpt"].iloc[i], i))
+        rows = sorted(rows, key=lambda i: (policy_rank(table["grad_ckpt"].iloc[i]),
+                                           table["grad_ckpt"].iloc[i], i))
         title = " · ".join(str(x) for x in json.loads(key)[:3])
         # Activation bytes per sequence: one bar per policy (mean over rows of that policy).
         policies = list(dict.fromkeys(table["grad_ckpt"].iloc[i] for i in rows))

@@ -1,0 +1,407 @@
+"""hpcbert report: tables from constructed run directories with known values.
+
+Every expected number below is computed by hand from the values make_run writes.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from hpcbert import report
+from hpcbert.runfiles import RunDirError
+from report_fixtures import CPU, THROUGHPUT_METHOD, V100, make_run, make_study, write_json
+
+ROOT = Path(__file__).resolve().parents[1]
+README_CMD = "hpcbert report results/ --format md --out results/README.md"
+
+
+def table_of(*paths, baseline_label=None, **kw):
+    runs, skipped = report.load_runs(paths)
+    assert not skipped, skipped
+    baseline = next(r for r in runs if r["label"] == baseline_label) if baseline_label else None
+    return report.build_table(runs, baseline, **kw)
+
+
+# --- the numbers --------------------------------------------------------------------------------
+
+def test_speedup_scaling_efficiency_and_time_box(tmp_path):
+    # The HPC-AI 2020 table: 1 GPU bs 24 at 115.2 seq/s vs 2x4 GPUs bs 48 at 971.52 seq/s.
+    make_run(tmp_path, "baseline", config={"batch_size": 24}, seq_per_s=115.2, steps_in_budget=2938)
+    make_run(tmp_path, "optimized", config={"batch_size": 48, "grad_ckpt": "alternate"}, world_size=8,
+             nodes=2, seq_per_s=971.52, steps_in_budget=1225)
+    make_run(tmp_path, "ckpt-1gpu", config={"batch_size": 24, "grad_ckpt": "all"}, seq_per_s=92.16)
+    t = table_of(tmp_path, baseline_label="baseline").set_index("run")
+
+    assert t.loc["optimized", "speedup"] == pytest.approx(971.52 / 115.2)          # 8.4333
+    assert t.loc["optimized", "scaling_eff"] == pytest.approx(971.52 / 115.2 / 8)  # 1.0542
+    assert t.loc["ckpt-1gpu", "speedup"] == pytest.approx(0.8)
+    assert math.isnan(t.loc["ckpt-1gpu", "scaling_eff"])  # same world size: no scaling figure
+    assert t.loc["baseline", "speedup"] == pytest.approx(1.0)
+    # Work inside the 20-minute box: steps x global batch (global = per-device x accum x world).
+    assert t.loc["optimized", "global_batch"] == 384
+    assert t.loc["optimized", "nodes_x_gpus"] == "2x4" and t.loc["optimized", "world_size"] == 8
+    assert t.loc["optimized", "steps_in_budget"] == 1225
+    assert t.loc["optimized", "seq_in_budget"] == 470400
+    assert t.loc["baseline", "seq_in_budget"] == 70512
+    assert t.loc["optimized", "steps_per_s"] == pytest.approx(971.52 / 384)
+    assert t.loc["baseline", "act_MiB_per_seq"] == pytest.approx(50.0)
+    assert t.loc["baseline", "peak_mem_GiB"] == pytest.approx(3.0)
+    assert t.loc["baseline", "mfu_pct"] == pytest.approx(100 * 115.2 * 2e10 / 1.25e14)
+    caption = report.caption_text(t)
+    assert "speedup = seq_per_s / 115.2 seq/s of baseline baseline (world size 1)" in caption
+
+
+def test_mean_and_sample_std_over_three_seeds(tmp_path):
+    for seed, sps, acc, steps in ((1, 100.0, 0.80, 1000), (2, 110.0, 0.84, 1100), (3, 120.0, 0.86, 1200)):
+        make_run(tmp_path, f"mrpc-seed{seed}", config={"seed": seed}, seq_per_s=sps, accuracy=acc,
+                 steps_in_budget=steps)
+    t = table_of(tmp_path)
+    assert len(t) == 1
+    row = t.iloc[0]
+    assert row["run"] == "mrpc" and row["seeds"] == 3 and row["seed"] == "1,2,3"
+    assert row["seq_per_s"] == pytest.approx(110.0)
+    assert row["seq_per_s_std"] == pytest.approx(10.0)  # sqrt((100 + 0 + 100) / 2)
+    # accuracy: mean 2.5/3; deviations -1/30, 1/150, 2/75 -> sqrt(0.0018667 / 2) = 0.0305505
+    assert row["accuracy"] == pytest.approx(0.8333333, abs=1e-6)
+    assert row["accuracy_std"] == pytest.approx(0.0305505, abs=1e-6)
+    assert row["steps_in_budget"] == pytest.approx(1100) and row["steps_in_budget_std"] == pytest.approx(100)
+    assert row["seq_in_budget"] == pytest.approx(35200) and row["seq_in_budget_std"] == pytest.approx(3200)
+    md = report.render_markdown(t)
+    assert "| 110.0 ± 10.0 |" in md and "| 0.8333 ± 0.0306 |" in md
+    assert "mean ± sample std (ddof=1)" in md
+
+
+def test_grouping_merges_only_runs_that_differ_in_seed(tmp_path):
+    make_run(tmp_path, "a-s1", config={"seed": 1}, seq_per_s=100.0)
+    make_run(tmp_path, "a-s2", config={"seed": 2}, seq_per_s=102.0)
+    make_run(tmp_path / "elsewhere", "a-s3", config={"seed": 3}, seq_per_s=104.0,  # other folder and
+             hardware=dict(V100, hostname="dgx02"))                              # node: same group
+    make_run(tmp_path, "lr-s1", config={"seed": 1, "lr": 3e-5}, seq_per_s=100.0)  # other lr
+    make_run(tmp_path, "lr-s2", config={"seed": 2, "lr": 3e-5}, seq_per_s=100.0)
+    make_run(tmp_path, "ws2-s1", config={"seed": 1}, world_size=2, seq_per_s=190.0)  # same config, 2 procs
+    make_run(tmp_path, "cpu-s1", config={"seed": 1}, seq_per_s=10.0, hardware=CPU)  # other hardware
+    old = make_run(tmp_path / "older-hpcbert", "a-s4", config={"seed": 4}, seq_per_s=102.0)
+    cfg = json.loads((old / "config.json").read_text())
+    del cfg["dropout"]  # a field added later; its default (None) is what the old run did
+    write_json(old / "config.json", cfg)
+    t = table_of(tmp_path).set_index("run")
+    assert sorted(t.index) == ["a", "cpu-s1", "lr", "ws2-s1"]
+    assert t.loc["a", "seeds"] == 4 and t.loc["a", "seq_per_s"] == pytest.approx(102.0)
+    assert t.loc["lr", "seeds"] == 2 and t.loc["ws2-s1", "seeds"] == 1
+    assert t.loc["cpu-s1", "hardware"] == "CPU (AMD EPYC 7B13), 2 cores"
+
+
+def test_dev_metric_columns_bare_for_dev_and_split_prefixed_otherwise(tmp_path):
+    make_run(tmp_path / "a", "mrpc", accuracy=0.8, f1=0.9)
+    assert {"accuracy", "f1"} <= set(table_of(tmp_path / "a").columns)
+    make_run(tmp_path / "c", "sst2", eval={"dev": {"accuracy": 0.9, "loss": 0.3}})
+    t = table_of(tmp_path / "c")  # an eval loss must not read like the training loss
+    assert t["accuracy"].iloc[0] == pytest.approx(0.9) and t["dev/loss"].iloc[0] == pytest.approx(0.3)
+    assert "loss" not in t.columns and t["final_loss"].iloc[0] == pytest.approx(0.5)
+    make_run(tmp_path / "b", "mnli", config={"task": "mnli"}, accuracy=None, f1=None,
+             eval={"dev_matched": {"accuracy": 0.84}, "dev_mismatched": {"accuracy": 0.85}})
+    t = table_of(tmp_path / "b")
+    assert t["dev_matched/accuracy"].iloc[0] == pytest.approx(0.84)
+    assert t["dev_mismatched/accuracy"].iloc[0] == pytest.approx(0.85)
+
+
+def test_rows_are_sorted_and_uneven_per_rank_batches_are_shown(tmp_path):
+    make_run(tmp_path, "zz-1gpu", seq_per_s=10.0)
+    make_run(tmp_path, "aa-3gpu", world_size=3, seq_per_s=30.0, per_device_batch_size=[16, 16, 8],
+             global_batch_size=40)
+    t = table_of(tmp_path)
+    assert list(t["run"]) == ["zz-1gpu", "aa-3gpu"]  # by world size before name
+    assert list(t["per_device_batch"]) == ["32", "16/16/8"]
+
+
+def test_caption_states_what_is_fixed_and_how_throughput_was_measured(tmp_path):
+    make_study(tmp_path)
+    scaling = table_of(tmp_path / "scaling")
+    cap = report.caption_text(scaling)
+    for fixed in ("task mrpc", "model minilm-l6 (pretrained)", "max_seq_length 128", "precision bf16",
+                  "hardware Tesla V100-SXM2-32GB", "time budget 1200 s"):
+        assert fixed in cap
+    assert "nodes x GPUs" not in cap and "grad_ckpt" not in cap.split("Throughput")[0]  # they vary
+    # The runs differ in length, so in their step ranges: the caption says so once.
+    assert THROUGHPUT_METHOD.format(steps="N") + " (N differs between runs)." in cap
+    assert "Warm-up steps excluded from the steady figures: 10." in cap
+    cap = report.caption_text(table_of(tmp_path / "policies"))
+    assert "model bert-base (random init)" in cap and "nodes x GPUs 1x1" in cap
+
+
+def test_find_run_dirs_does_not_descend_into_runs(tmp_path):
+    run = make_run(tmp_path / "study", "r1")
+    write_json(run / "checkpoints" / "step-000010" / "config.json", {})
+    make_run(tmp_path / "study" / "sub", "r2")
+    (tmp_path / "study" / "plots").mkdir()
+    assert report.find_run_dirs(tmp_path / "study") == [run, tmp_path / "study" / "sub" / "r2"]
+
+
+# --- formats parse back to the same numbers ------------------------------------------------------
+
+def _parse_md_table(md: str) -> pd.DataFrame:
+    lines = [ln for ln in md.splitlines() if ln.startswith("|")]
+    split = lambda ln: [c.strip() for c in re.split(r"(?<!\\)\|", ln.strip())[1:-1]]
+    header = split(lines[0])
+    return pd.DataFrame([split(ln) for ln in lines[2:]], columns=header)
+
+
+def _md_number(text: str) -> tuple[float, float]:
+    if text == report.MISSING:
+        return math.nan, math.nan
+    mean, _, std = text.partition(" ± ")
+    return float(mean), float(std) if std else math.nan
+
+
+def _same(a, b, tol=0.0) -> bool:
+    a, b = float(a), float(b)
+    return (math.isnan(a) and math.isnan(b)) or abs(a - b) <= tol
+
+
+def test_markdown_csv_and_json_parse_back_to_the_same_numbers(tmp_path):
+    make_study(tmp_path)
+    runs, _ = report.load_runs([tmp_path])
+    base = [r for r in runs if r["label"].startswith("1gpu-s")]
+    table = report.build_table(runs, base, policy_columns=True)
+    numeric = [c for c in table.columns if pd.api.types.is_numeric_dtype(table[c])
+               and not pd.api.types.is_bool_dtype(table[c])]
+    assert {"seq_per_s", "seq_per_s_std", "speedup", "accuracy_std", "act_vs_none"} <= set(numeric)
+    assert table["steps_in_budget"].isna().any()  # nulls travel too
+
+    csv_text = report.render_csv(table)
+    comments = [ln[2:] for ln in csv_text.splitlines() if ln.startswith("# ")]
+    assert comments == table.attrs["caption"]
+    back = pd.read_csv(io.StringIO(csv_text), comment=None, skiprows=len(comments))
+    assert list(back.columns) == list(table.columns)
+    doc = json.loads(report.render_json(table))
+    assert doc["caption"] == report.caption_text(table) and doc["skipped"] == []
+    from_json = pd.DataFrame(doc["rows"])
+    assert list(from_json.columns) == list(table.columns)
+    for col in numeric:
+        for i in range(len(table)):
+            want = table[col].iloc[i]
+            assert _same(back[col].iloc[i], want), (col, i)
+            got = from_json[col].iloc[i]
+            assert _same(math.nan if got is None else got, want), (col, i)
+    assert list(back["run"]) == list(table["run"]) == list(from_json["run"])
+
+    md = _parse_md_table(report.render_markdown(table))
+    assert list(md["run"]) == list(table["run"])
+    for col in report.display_columns(table):
+        if col not in numeric:
+            continue
+        tol = 0.5 * 10 ** -report._decimals(col) + 1e-9 if f"{col}_std" in table.columns or \
+            pd.api.types.is_float_dtype(table[col]) else 0
+        for i in range(len(table)):
+            mean, std = _md_number(md[col].iloc[i])
+            assert _same(mean, table[col].iloc[i], tol), (col, i, md[col].iloc[i])
+            if table["seeds"].iloc[i] > 1 and f"{col}_std" in table.columns:
+                assert _same(std, table[f"{col}_std"].iloc[i], tol), (col, i, md[col].iloc[i])
+
+
+# --- bad input ------------------------------------------------------------------------------------
+
+def _bad_runs(root: Path) -> dict[str, list[str]]:
+    """Broken run dirs under root; name -> what the skip reason must say."""
+    (root / "notarun").mkdir(parents=True)
+    (root / "notarun" / "notes.txt").write_text("hello")
+    make_run(root, "oldschema", schema_version=2)
+    bad = make_run(root, "badjson")
+    (bad / "summary.json").write_text('{"schema_version": 1, "run": ')
+    missing = make_run(root, "nokey")
+    s = json.loads((missing / "summary.json").read_text())
+    del s["steady_sequences_per_sec"]
+    write_json(missing / "summary.json", s)
+    make_run(root, "nometric", eval={"dev": {"f1": 0.9}})
+    badm = make_run(root, "badmetrics")
+    with open(badm / "metrics.jsonl", "a") as f:
+        f.write(json.dumps({"step": 510, "lr": 1e-5}) + "\n")
+    unfinished = make_run(root, "unfinished")
+    (unfinished / "summary.json").unlink()
+    noconfig = make_run(root, "noconfig")
+    (noconfig / "config.json").unlink()
+    make_run(root, "strnum", mfu="high")
+    return {
+        "notarun": ["not an hpcbert run"],
+        "oldschema": ["schema_version 2", "not supported"],
+        "badjson": ["summary.json", "not valid JSON"],
+        "nokey": ["missing key(s) steady_sequences_per_sec"],
+        "nometric": ["missing metric 'accuracy'", "dev: f1"],
+        "badmetrics": ["metrics.jsonl", "missing key(s) loss"],
+        "unfinished": ["no summary.json", "not finished"],
+        "noconfig": ["no config.json"],
+        "strnum": ["mfu is 'high'"],
+    }
+
+
+def test_bad_runs_are_skipped_with_a_reason_and_the_others_reported(tmp_path, capsys):
+    expected = _bad_runs(tmp_path / "bad")
+    make_run(tmp_path, "good-1", seq_per_s=123.0)
+    make_run(tmp_path, "good-2", config={"lr": 1e-4}, seq_per_s=77.0)
+    args = [str(tmp_path / "good-1"), str(tmp_path / "good-2")] + \
+        [str(tmp_path / "bad" / name) for name in sorted(expected)] + [str(tmp_path / "missing-dir")]
+
+    assert report.cli(args + ["--format", "json"]) == 0
+    out, err = capsys.readouterr()
+    doc = json.loads(out)
+    assert sorted(r["seq_per_s"] for r in doc["rows"]) == [77.0, 123.0]
+    reasons = {Path(s["run"]).name: s["reason"] for s in doc["skipped"]}
+    assert set(reasons) == set(expected) | {"missing-dir"}
+    assert "does not exist" in reasons["missing-dir"]
+    warnings = [ln for ln in err.splitlines() if "warning: skipped" in ln]
+    assert len(warnings) == len(expected) + 1
+    for name, needles in expected.items():
+        assert name in reasons[name], reasons[name]  # the reason names the run
+        for needle in needles:
+            assert needle in reasons[name], (name, reasons[name])
+        assert any(name in w and needles[0] in w for w in warnings), name
+
+    assert report.cli(args) == 0
+    md = capsys.readouterr().out
+    assert "**Skipped runs** (10):" in md and "| good-1 |" in md
+    for name, needles in expected.items():
+        assert needles[0] in md
+
+
+def test_a_folder_with_bad_runs_still_reports_the_good_ones(tmp_path, capsys):
+    _bad_runs(tmp_path)
+    make_run(tmp_path / "deeper", "good")
+    assert report.cli([str(tmp_path), "--format", "csv"]) == 0
+    out, err = capsys.readouterr()
+    assert "\ngood," in out and out.count("# skipped: ") == 8  # notarun is just a folder here
+    assert err.count("warning: skipped") == 8
+
+
+def test_exit_status_2_when_no_run_is_reported(tmp_path, capsys):
+    (tmp_path / "empty").mkdir()
+    assert report.cli([str(tmp_path / "empty")]) == 2
+    assert "no runs to report" in capsys.readouterr().err
+    make_run(tmp_path, "old", schema_version=0)
+    assert report.cli([str(tmp_path / "old"), "--format", "json"]) == 2
+    err = capsys.readouterr().err
+    assert "old" in err and "schema_version 0" in err
+
+
+def test_cli_baseline_and_html_needs_out(tmp_path, capsys):
+    base = make_run(tmp_path, "base", seq_per_s=100.0)
+    big = make_run(tmp_path, "big", world_size=4, seq_per_s=360.0)
+    assert report.cli([str(big), "--baseline", str(base), "--format", "json"]) == 0
+    rows = {r["run"]: r for r in json.loads(capsys.readouterr().out)["rows"]}
+    assert rows["base"]["speedup"] == 1.0 and rows["big"]["speedup"] == pytest.approx(3.6)
+    assert rows["big"]["scaling_eff"] == pytest.approx(0.9) and rows["base"]["scaling_eff"] is None
+    assert report.cli([str(big), "--baseline", str(tmp_path / "nope")]) == 2
+    assert "--baseline" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        report.cli([str(big), "--format", "html"])
+    assert e.value.code == 2
+    out = tmp_path / "sub" / "r.csv"
+    assert report.cli([str(tmp_path), "--format", "csv", "--out", str(out)]) == 0
+    assert out.read_text().startswith("# Fixed across rows")
+
+
+def test_bench_report_compares_policies_with_none(tmp_path):
+    dirs = [make_run(tmp_path, f"ckpt-{p}", config={"grad_ckpt": p}, act_mib=act, step_time_s=st,
+                     seq_per_s=32 / st)
+            for p, act, st in (("all", 8.0, 0.30), ("none", 48.0, 0.20), ("alternate", 24.0, 0.25))]
+    # Checkpointing buys a bigger batch: its step time has no 'none' to compare with at that batch.
+    dirs.append(make_run(tmp_path, "ckpt-all-bs64", config={"grad_ckpt": "all", "batch_size": 64},
+                         act_mib=8.0, step_time_s=0.6, seq_per_s=64 / 0.6))
+    html_path = tmp_path / "out" / "bench.html"
+    md = report.bench_report(dirs, html_path)
+    t = _parse_md_table(md).set_index("run")
+    assert list(t.index) == ["ckpt-none", "ckpt-alternate", "ckpt-all", "ckpt-all-bs64"]
+    assert t.loc["ckpt-alternate", "act_vs_none"] == "0.50"
+    assert t.loc["ckpt-all", "act_vs_none"] == "0.17"       # 8 / 48
+    assert t.loc["ckpt-all-bs64", "act_vs_none"] == "0.17"  # per sequence: batch does not matter
+    assert t.loc["ckpt-alternate", "step_time_vs_none"] == "1.25"
+    assert t.loc["ckpt-all", "step_time_vs_none"] == "1.50"
+    assert t.loc["ckpt-all-bs64", "step_time_vs_none"] == report.MISSING
+    assert t.loc["ckpt-all", "speedup"] == "0.67"  # (32 / 0.3) / (32 / 0.2)
+    assert "baseline ckpt-none" in md
+    assert "scaling_eff" not in md  # one world size: speed-up only
+    page = html_path.read_text()
+    assert page.count("<img ") == 3 and "Skipped: a scaling plot needs" in page
+
+
+# --- results/README.md ----------------------------------------------------------------------------
+
+def test_results_readme_is_deterministic_and_what_the_cli_writes(tmp_path, monkeypatch):
+    results = tmp_path / "results"
+    make_study(results)
+    bad = make_run(results / "scaling", "broken", schema_version=3)
+    text = report.render_results_readme(results)
+    assert text == report.render_results_readme(results)
+    assert text.startswith("# Results\n") and README_CMD in text
+    assert str(tmp_path) not in text  # paths relative to results/, whoever runs it
+    assert not re.search(r"\d{4}-\d{2}-\d{2}|\d\d:\d\d:\d\d", text)  # no timestamps
+    assert "## results/policies/" in text and "## results/scaling/" in text
+    assert text.index("| 1gpu | 3 | 1,2,3 |") < text.index("| 4gpu |") < text.index("| 8gpu | 3 |")
+    assert "results/scaling/broken/summary.json: schema_version 3" in text
+    # The scaling table gets speed-up against its smallest world size, named in the caption.
+    assert "baseline 1gpu-s1, 1gpu-s2, 1gpu-s3 (world size 1)" in text
+    assert text.count("**Table ") == 2
+
+    monkeypatch.chdir(tmp_path)
+    assert report.cli(["results/", "--format", "md", "--out", "results/README.md"]) == 0
+    assert (results / "README.md").read_text() == text
+    # A README already there is not a run; regenerating is a fixed point.
+    assert report.cli(["results", "--format", "md", "--out", "results/README.md"]) == 0
+    assert (results / "README.md").read_text() == text
+    bad.joinpath("summary.json").unlink()
+    assert report.render_results_readme(results) != text
+
+
+def test_results_readme_of_no_runs_says_so(tmp_path):
+    (tmp_path / "results" / "empty").mkdir(parents=True)
+    with pytest.raises(RunDirError, match=r"results/: no hpcbert runs to report.*" + re.escape(README_CMD)):
+        report.render_results_readme(tmp_path / "results")
+
+
+def test_results_readme_is_fresh():
+    results = ROOT / "results"
+    if report.find_run_dirs(results):
+        readme = results / "README.md"
+        actual = readme.read_text() if readme.is_file() else "(missing)"
+        assert actual == report.render_results_readme(results), (
+            f"results/README.md is stale: regenerate it from the project root with `{README_CMD}`")
+    else:
+        with pytest.raises(RunDirError, match="no hpcbert runs to report"):
+            report.render_results_readme(results)
+
+
+@pytest.mark.slow
+def test_report_of_real_training_runs(tmp_path):
+    """The real `hpcbert train` writes what the report reads: two seeds of bert-tiny, one row."""
+    from conftest import run_env
+
+    def hpcbert(*args):
+        return subprocess.run([sys.executable, "-m", "hpcbert.cli", *map(str, args)], env=run_env(),
+                              capture_output=True, text=True, timeout=240)
+
+    for seed in (1, 2):
+        r = hpcbert("train", "--model", "bert-tiny", "--task", "synthetic", "--max-steps", 6, "--batch-size", 8,
+                    "--log-every", 2, "--synthetic-train-size", 64, "--synthetic-dev-size", 16,
+                    "--seed", seed, "--out", tmp_path / "runs" / f"tiny-s{seed}")
+        assert r.returncode == 0, r.stderr
+    r = hpcbert("report", tmp_path / "runs", "--format", "json")
+    assert r.returncode == 0 and "warning" not in r.stderr, r.stderr
+    doc = json.loads(r.stdout)
+    assert doc["skipped"] == []
+    assert len(doc["rows"]) == 1, [{k: v for k, v in row.items() if v != doc["rows"][0][k]}
+                                   for row in doc["rows"]]
+    row = doc["rows"][0]
+    assert (row["run"], row["seeds"], row["seed"], row["world_size"]) == ("tiny", 2, "1,2", 1)
+    assert row["seq_per_s"] > 0 and row["act_MiB_per_seq"] > 0 and 0 <= row["accuracy"] <= 1
+    assert "excluded" in doc["caption"] and "model bert-tiny (random init)" in doc["caption"]
+    out = tmp_path / "report.html"
+    assert hpcbert("report", tmp_path / "runs", "--format", "html", "--out", out).returncode == 0
+    assert out.read_text().count("<img ") == 2  # loss curves and dev metric; the other two are notes
