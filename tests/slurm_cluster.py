@@ -1,0 +1,202 @@
+"""A real Slurm cluster on this host for tests: munged + slurmctld + slurmd under a temporary BASE.
+
+It follows ../shared/hpc-lab/local_slurm.sh (Slurm 22.05 from Debian's slurm-wlm, slurm-wlm-torque
+for qsub, munge): a private munged socket (nothing touches /run/munge), no cgroups
+(proctrack/linuxproc, task/none), no accounting, one node named after `hostname -s`, and free TCP
+ports so it can run beside another cluster. Every client the tests start gets SLURM_CONF through
+`cluster.env`. KillWait is 10 s instead of Slurm's 30 s to keep walltime tests short: a job
+that ignores SIGTERM is killed 10 s after it.
+
+Needs root (slurmd starts jobs as their owner) and the packages
+    apt-get install -y --no-install-recommends slurm-wlm slurm-wlm-torque munge slurmctld slurmd slurm-client
+and is skipped, with the reason, without them. The daemons are stopped by their PID files at the
+end of the session, whatever happened.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+KILL_WAIT_S = 10
+COMMANDS = ("munged", "mungekey", "munge", "slurmctld", "slurmd", "sbatch", "squeue", "scontrol", "scancel",
+            "sinfo", "qsub")
+
+
+def unavailable() -> str | None:
+    """Why no cluster can start here, or None."""
+    if os.geteuid() != 0:
+        return "the local Slurm cluster needs root (slurmd starts jobs as their owner)"
+    missing = [c for c in COMMANDS if shutil.which(c) is None]
+    if missing:
+        return (f"not installed: {', '.join(missing)}; apt-get install -y --no-install-recommends slurm-wlm "
+                f"slurm-wlm-torque munge slurmctld slurmd slurm-client")
+    return None
+
+
+def _free_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+@dataclass
+class SlurmCluster:
+    base: Path
+    host: str
+    env: dict
+
+    # --- life cycle ---
+    @classmethod
+    def start(cls, base: Path) -> "SlurmCluster":
+        host = socket.gethostname().split(".")[0]
+        for d in ("etc", "state", f"spool/{host}", "log", "run", "munge", "tmp"):
+            (base / d).mkdir(parents=True, exist_ok=True)
+        base.chmod(0o755)
+        m = base / "munge"
+        m.chmod(0o755)  # munged refuses a socket directory without o+x
+        env = dict(os.environ, SLURM_CONF=str(base / "etc" / "slurm.conf"), TMPDIR=str(base / "tmp"))
+        cluster = cls(base, host, env)
+        subprocess.run(["mungekey", "-c", "-k", m / "munge.key", "-b", "1024"], check=True)
+        subprocess.run(["munged", f"--key-file={m / 'munge.key'}", f"--socket={m / 'munge.socket.2'}",
+                        f"--pid-file={m / 'munged.pid'}", f"--log-file={m / 'munged.log'}",
+                        f"--seed-file={m / 'munged.seed'}"], check=True)
+        try:
+            cred = subprocess.run(["munge", "-S", m / "munge.socket.2", "-n"], check=True, capture_output=True)
+            subprocess.run(["unmunge", "-S", m / "munge.socket.2"], input=cred.stdout, check=True,
+                           capture_output=True)
+            cluster._write_conf()
+            subprocess.run(["slurmctld"], env=env, check=True)
+            subprocess.run(["slurmd"], env=env, check=True)
+            deadline = time.time() + 30
+            while cluster.run("sinfo", "-h", "-N", "-o", "%t").stdout.strip() != "idle":
+                if time.time() > deadline:
+                    raise RuntimeError(f"the local Slurm node did not become idle in 30 s:\n{cluster.logs()}")
+                time.sleep(0.3)
+        except BaseException:
+            cluster.stop()
+            raise
+        return cluster
+
+    def _write_conf(self) -> None:
+        b, m = self.base, self.base / "munge"
+        node = subprocess.run(["slurmd", "-C"], capture_output=True, text=True, check=True).stdout.splitlines()[0]
+        node = re.sub(r"^NodeName=\S+", f"NodeName={self.host}", node)
+        node = re.sub(r"RealMemory=\d+", "RealMemory=2000", node)
+        ctld_port, d_port = _free_ports(2)
+        (b / "etc" / "slurm.conf").write_text(f"""\
+ClusterName=hpcberttest
+SlurmctldHost={self.host}
+SlurmUser=root
+SlurmdUser=root
+AuthType=auth/munge
+CredType=cred/munge
+AuthInfo=socket={m}/munge.socket.2
+SlurmctldPort={ctld_port}
+SlurmdPort={d_port}
+StateSaveLocation={b}/state
+SlurmdSpoolDir={b}/spool/%n
+SlurmctldPidFile={b}/run/slurmctld.pid
+SlurmdPidFile={b}/run/slurmd-%n.pid
+SlurmctldLogFile={b}/log/slurmctld.log
+SlurmdLogFile={b}/log/slurmd-%n.log
+SlurmctldDebug=info
+SlurmdDebug=info
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+JobAcctGatherType=jobacct_gather/none
+AccountingStorageType=accounting_storage/none
+JobCompType=jobcomp/none
+MpiDefault=none
+SchedulerType=sched/backfill
+SelectType=select/cons_tres
+SelectTypeParameters=CR_Core
+ReturnToService=2
+KillWait={KILL_WAIT_S}
+OverTimeLimit=0
+MinJobAge=300
+InactiveLimit=0
+SlurmdTimeout=60
+{node} State=UNKNOWN
+PartitionName=debug Nodes={self.host} Default=YES MaxTime=INFINITE State=UP
+""")
+
+    def stop(self) -> None:
+        """Cancel what still runs, then stop the daemons this cluster started (by their PID files)."""
+        if (self.base / "run" / "slurmctld.pid").exists():
+            self.run("scancel", "--user", "root", timeout=10)
+        for pidfile in (self.base / "run" / f"slurmd-{self.host}.pid", self.base / "run" / "slurmctld.pid",
+                        self.base / "munge" / "munged.pid"):
+            try:
+                pid = int(pidfile.read_text().strip())
+                os.kill(pid, signal.SIGTERM)
+            except (FileNotFoundError, ValueError, ProcessLookupError):
+                continue
+            for _ in range(40):
+                try:
+                    os.kill(pid, 0)
+                except ProcessLookupError:
+                    break
+                time.sleep(0.1)
+            else:
+                os.kill(pid, signal.SIGKILL)
+
+    # --- clients ---
+    def run(self, *cmd, timeout: float = 30, **kw) -> subprocess.CompletedProcess:
+        kw.setdefault("env", self.env)
+        return subprocess.run([str(c) for c in cmd], capture_output=True, text=True, timeout=timeout, **kw)
+
+    def job(self, job_id: str) -> dict:
+        """`scontrol show job` as a dict (JobState, ExitCode, StdOut, ...)."""
+        out = self.run("scontrol", "show", "job", "-o", job_id).stdout
+        return dict(re.findall(r"(\w+)=(\S*)", out))
+
+    def wait(self, job_id: str, timeout: float = 90, states: tuple = ("COMPLETED", "FAILED", "CANCELLED",
+                                                                        "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY")) -> dict:
+        deadline = time.time() + timeout
+        while True:
+            info = self.job(job_id)
+            if info.get("JobState") in states:
+                return info
+            if time.time() > deadline:
+                self.run("scancel", job_id)
+                raise TimeoutError(f"job {job_id} not in {states} after {timeout} s: {info}\n{self.logs()}")
+            time.sleep(0.3)
+
+    def logs(self, lines: int = 30) -> str:
+        out = []
+        for f in sorted((self.base / "log").glob("*.log")):
+            out.append(f"--- {f.name}\n" + "\n".join(f.read_text(errors="replace").splitlines()[-lines:]))
+        return "\n".join(out)
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster():
+    reason = unavailable()
+    if reason:
+        pytest.skip(reason)
+    # Not pytest's tmp dirs: munged wants its socket directory reachable (o+x) through every parent.
+    base = Path(tempfile.mkdtemp(prefix="hpcbert-slurm-"))
+    cluster = None
+    try:
+        cluster = SlurmCluster.start(base)
+        yield cluster
+    finally:
+        if cluster is not None:
+            cluster.stop()
+        shutil.rmtree(base, ignore_errors=True)

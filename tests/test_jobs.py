@@ -1,0 +1,424 @@
+"""`hpcbert submit` and the job scripts, without a scheduler: directives per flavour, refused
+options, quoting, the committed examples, the job-script contract (run with bash and stand-in
+launchers), the container wrapper (stand-in apptainer) and the thin scripts in hpcai_scripts/.
+The same scripts under a real Slurm are in test_slurm.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT
+from hpcbert.jobs import submit
+from hpcbert.jobs.submit import PRESETS, JobSpec, render
+
+EXEC_SH = ROOT / "singularity" / "exec.sh"
+TRAIN = ["--model", "bert-tiny", "--task", "synthetic", "--max-steps", "6"]
+# The committed examples and the commands that make them (run from the repository root).
+EXAMPLES = {
+    f"hpcai_scripts/{preset}.{ext}": ["--scheduler", sched, "--preset", preset, "--container",
+                                      "${HPCBERT_IMAGE:-hpcbert.sif}", "--portable", "--dry-run",
+                                      "--out-script", f"hpcai_scripts/{preset}.{ext}"]
+    for preset in ("baseline", "optimized") for sched, ext in (("pbs", "pbs"), ("slurm", "sbatch"))
+}
+
+
+def spec(scheduler="slurm", **kw) -> JobSpec:
+    kw.setdefault("nodes", 2)
+    kw.setdefault("gpus_per_node", 4)
+    kw.setdefault("walltime", "01:30:00")
+    kw.setdefault("train_args", TRAIN)
+    return JobSpec(scheduler=scheduler, **kw)
+
+
+def directive_lines(text: str, prefix: str) -> list[str]:
+    return [line for line in text.splitlines() if line.startswith(prefix)]
+
+
+def stub(path: Path, body: str) -> Path:
+    path.write_text(body)
+    path.chmod(0o755)
+    return path
+
+
+# --- directives -------------------------------------------------------------------------------
+
+def test_slurm_directives_and_threads():
+    text = render(spec("slurm", cpus_per_node=32, queue="gpu", account="proj1"), "cmd")
+    assert directive_lines(text, "#SBATCH") == [
+        "#SBATCH --job-name=hpcbert", "#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=1",
+        "#SBATCH --gpus-per-node=4", "#SBATCH --cpus-per-task=32", "#SBATCH --time=01:30:00",
+        "#SBATCH --signal=B:USR1@540", "#SBATCH --partition=gpu", "#SBATCH --account=proj1",
+        "#SBATCH --output=%x-%j.out"]
+    assert "export OMP_NUM_THREADS=8\n" in text  # 32 cores / 4 processes
+    assert "srun --nodes=2 --ntasks=2 --ntasks-per-node=1 --cpus-per-task=32" in text
+    assert '"$BOOTSTRAP" --nproc-per-node 4 --' in text
+    assert "$(( $(date +%s) + 5400 - 540 ))" in text  # deadline: start + walltime - margin
+
+
+def test_pbs_pro_directives_place_on_its_own_line():
+    text = render(spec("pbs", cpus_per_node=20, project="P123", queue="dgx", account="acct"), "cmd")
+    assert directive_lines(text, "#PBS") == [
+        "#PBS -N hpcbert", "#PBS -l select=2:ncpus=20:ngpus=4:mpiprocs=1", "#PBS -l place=scatter",
+        "#PBS -l walltime=01:30:00", "#PBS -P P123", "#PBS -A acct", "#PBS -q dgx", "#PBS -j oe"]
+    assert "LAUNCH=(mpiexec -n 2 --ppn 1)" in text
+    assert 'cd "${PBS_O_WORKDIR:-${SLURM_SUBMIT_DIR:-$PWD}}"' in text
+    assert not directive_lines(text, "#SBATCH")  # and no advance signal in PBS: the deadline does it
+
+
+def test_torque_directives_and_pbsdsh_once_per_node():
+    text = render(spec("torque", cpus_per_node=16, account="acct"), "cmd")
+    assert directive_lines(text, "#PBS") == [
+        "#PBS -N hpcbert", "#PBS -l nodes=2:ppn=16:gpus=4", "#PBS -l walltime=01:30:00", "#PBS -A acct",
+        "#PBS -j oe"]
+    assert "LAUNCH=(pbsdsh -u -- /bin/bash" in text
+    no_gpu = render(spec("torque", gpus_per_node=0, procs_per_node=2), "cmd")
+    assert "#PBS -l nodes=2:ppn=2\n" in no_gpu
+
+
+@pytest.mark.parametrize("scheduler, option, words", [
+    ("torque", ["--project", "P1"], ["--project", "torque", "proxy user"]),
+    ("slurm", ["--project", "P1"], ["--project", "slurm", "--account"]),
+    ("pbs", ["--launcher", "srun"], ["--launcher srun", "pbs", "mpiexec"]),
+    ("torque", ["--launcher", "srun"], ["--launcher srun", "torque"]),
+    ("slurm", ["--launcher", "mpiexec"], ["--launcher mpiexec", "slurm", "srun"]),
+])
+def test_options_a_scheduler_does_not_know_are_refused_with_the_reason(capsys, scheduler, option, words):
+    rc = submit.cli(["--scheduler", scheduler, "--nodes", "1", "--gpus-per-node", "1", "--walltime", "00:10:00",
+                     *option, "--dry-run", "--", *TRAIN])
+    err = capsys.readouterr().err
+    assert rc == 2 and all(w in err for w in words), err
+
+
+@pytest.mark.parametrize("kw, words", [
+    (dict(walltime="90m"), ["--walltime", "HH:MM:SS"]),
+    (dict(walltime="00:00:00"), ["--walltime"]),
+    (dict(binds=["/a:/b"]), ["--bind", "--container"]),
+    (dict(container="x.sif", binds=["/a:/b,/c"]), ["--bind", "comma"]),
+    (dict(procs_per_node=2), ["--procs-per-node", "one process per GPU"]),
+    (dict(gpus_per_node=0, procs_per_node=4, cpus_per_node=2), ["--cpus-per-node", "4 processes"]),
+    (dict(stop_margin=5400), ["--stop-margin", "below the walltime"]),
+    (dict(train_args=["--batch-size", "many"]), ["--batch-size", "invalid int"]),
+    (dict(train_args=["--bogus", "1"]), ["--bogus", "hpcbert train"]),
+    (dict(job_name="two words"), ["--job-name"]),
+    (dict(queue="a b"), ["--queue"]),
+])
+def test_impossible_jobs_are_refused_naming_the_option(kw, words):
+    with pytest.raises(ValueError) as e:
+        spec("slurm", **kw)
+    assert all(w in str(e.value) for w in words), str(e.value)
+
+
+def test_presets_are_resources_plus_train_options_and_user_options_win():
+    ns = submit.parser().parse_args(["--scheduler", "pbs", "--preset", "optimized"])
+    s = submit.spec_from_args(ns, [])
+    assert (s.nodes, s.gpus_per_node, s.procs_per_node, s.cpus_per_node) == (2, 4, 4, 20)
+    cfg = submit.check_train_args(s.train_args)
+    assert (cfg.batch_size, cfg.grad_ckpt, cfg.task, cfg.optimizer) == (48, "alternate", "mnli", "lamb")
+    ns = submit.parser().parse_args(["--scheduler", "pbs", "--preset", "baseline", "--gpus-per-node", "2"])
+    s = submit.spec_from_args(ns, ["--batch-size", "32"])
+    assert (s.nodes, s.gpus_per_node) == (1, 2)
+    cfg = submit.check_train_args(s.train_args)
+    assert (cfg.batch_size, cfg.grad_ckpt) == (32, "none")
+    assert PRESETS["baseline"].resources["gpus_per_node"] == 1 and PRESETS["baseline"].train["batch_size"] == 24
+
+
+def test_missing_resources_name_the_options(capsys):
+    assert submit.cli(["--scheduler", "slurm", "--nodes", "1", "--dry-run"]) == 2
+    assert "--gpus-per-node, --walltime" in capsys.readouterr().err
+
+
+# --- rendering ----------------------------------------------------------------------------------
+
+def test_rendering_is_deterministic_and_portable_mode_holds_no_machine_paths():
+    for sched in ("pbs", "torque", "slurm"):
+        s = spec(sched, container="${HPCBERT_IMAGE:-hpcbert.sif}", binds=["/scratch:/scratch"])
+        a, b = render(s, "cmd"), render(s, "cmd")
+        assert a == b
+        for local in (str(ROOT), sys.executable, os.path.expanduser("~"), "/tmp/", str(Path.cwd())):
+            assert local not in a, local
+        assert not re.search(r"\d{4}-\d\d-\d\d", a)  # no render-time date
+    recorded = render(spec("slurm"), "cmd", workdir="/some/dir", python="/opt/py/bin/python3", kit="/kit")
+    assert 'cd "${SLURM_SUBMIT_DIR:-/some/dir}"' in recorded
+    assert 'HPCBERT_PYTHON="${HPCBERT_PYTHON:-/opt/py/bin/python3}"' in recorded
+    assert 'HPCBERT_KIT="${HPCBERT_KIT:-/kit}"' in recorded
+
+
+def test_committed_example_scripts_are_what_the_generator_makes(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    for name, argv in EXAMPLES.items():
+        assert submit.cli(argv) == 0, capsys.readouterr().err
+        made = (tmp_path / name).read_text()
+        committed = (ROOT / name).read_text() if (ROOT / name).exists() else ""
+        regen = f"cd {ROOT} && PYTHONPATH=BERT {Path(sys.executable).name} -m hpcbert.cli submit {shlex.join(argv)}"
+        assert committed == made, f"{name} differs from what `hpcbert submit` makes; regenerate it:\n  {regen}"
+        assert os.access(ROOT / name, os.X_OK), f"{name} is not executable"
+        assert subprocess.run(["bash", "-n", ROOT / name]).returncode == 0
+        assert f"#   hpcbert submit {shlex.join(argv)}" in made  # the script says how it was made
+
+
+# --- the job script's contract, run with bash and stand-in launchers -----------------------------
+
+RECORDER = """#!{python}
+# stand-in bootstrap: records its arguments, working directory and the job's environment
+import json, os, sys
+names = ["OMP_NUM_THREADS", "HPCBERT_JOB_DEADLINE", "HPCBERT_STOP_FILE", "HPCBERT_PYTHON", "HPCBERT_KIT",
+         "HPCBERT_WRAPPER", "HPCBERT_IMAGE", "HPCBERT_BINDS", "HPCBERT_NV", "GLUE_DIR"]
+json.dump({{"argv": sys.argv[1:], "cwd": os.getcwd(), "env": {{k: os.environ.get(k) for k in names}},
+           "stop_file_existed": os.path.exists(os.environ["HPCBERT_STOP_FILE"])}},
+          open(os.environ["HPCBERT_TEST_LOG"], "w"))
+"""
+# A launcher stand-in: records its own arguments, then runs the command after its options.
+LAUNCHER = """#!/usr/bin/env bash
+echo "$(basename "$0") $*" >> "$HPCBERT_TEST_LOG.launcher"
+while [ $# -gt 0 ]; do case $1 in --) shift; break ;; -n|--ppn) shift 2 ;; -*) shift ;; *) break ;; esac; done
+exec "$@"
+"""
+
+
+@pytest.fixture
+def job_sandbox(tmp_path):
+    """Stand-in bootstrap and launchers (srun, mpiexec, pbsdsh) on PATH, and a clean job environment."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    stub(bin_dir / "bootstrap.sh", RECORDER.format(python=sys.executable))
+    for tool in ("srun", "mpiexec", "pbsdsh"):
+        stub(bin_dir / tool, LAUNCHER)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "PBS_", "HPCBERT_"))}
+    env.update(PATH=f"{bin_dir}:{env['PATH']}", HPCBERT_BOOTSTRAP=str(bin_dir / "bootstrap.sh"),
+               HPCBERT_TEST_LOG=str(tmp_path / "record.json"))
+    return tmp_path, env
+
+
+def run_script(text: str, tmp_path: Path, env: dict, *args: str) -> tuple[subprocess.CompletedProcess, dict]:
+    script = stub(tmp_path / "job.sh", text)
+    r = subprocess.run(["bash", str(script), *args], env=env, cwd=tmp_path, capture_output=True, text=True,
+                       timeout=60)
+    rec = tmp_path / "record.json"
+    return r, (json.loads(rec.read_text()) if rec.exists() else {})
+
+
+def test_train_options_reach_the_bootstrap_word_for_word(job_sandbox):
+    tmp_path, env = job_sandbox
+    odd = ["--tokenizer", "a dir/with 'quotes' and \"double\" $HOME `x` ; rm -rf /", "--seed", "7",
+           "--cache-dir", "line1\nline2", "--data-dir", "${GLUE_DIR:?set GLUE_DIR}"]
+    s = spec("slurm", nodes=1, gpus_per_node=0, procs_per_node=2, cpus_per_node=2, walltime="00:10:00",
+             train_args=[*TRAIN, *odd, "--out", "my runs/run 1"])
+    text = render(s, "cmd")
+    submit_dir = tmp_path / "submit dir"
+    submit_dir.mkdir()
+    (submit_dir / "my runs" / "run 1").mkdir(parents=True)
+    (submit_dir / "my runs" / "run 1" / "STOP").touch()  # a stale stop request from an earlier job
+    env.update(SLURM_SUBMIT_DIR=str(submit_dir), GLUE_DIR="/data/glue")
+    t0 = time.time()
+    r, rec = run_script(text, tmp_path, env, "--lr", "1e-4")
+    assert r.returncode == 0, r.stderr
+    expected = [*TRAIN, *odd[:-1], "/data/glue", "--out", "my runs/run 1", "--lr", "1e-4"]
+    assert rec["argv"] == ["--nproc-per-node", "2", "--", *expected]
+    assert rec["cwd"] == str(submit_dir)
+    run_dir = submit_dir / "my runs" / "run 1"
+    assert rec["env"]["HPCBERT_STOP_FILE"] == str(run_dir / "STOP") and not rec["stop_file_existed"]
+    assert rec["env"]["OMP_NUM_THREADS"] == "1"
+    assert abs(int(rec["env"]["HPCBERT_JOB_DEADLINE"]) - (t0 + 600 - 60)) < 5
+    launcher = (tmp_path / "record.json.launcher").read_text()
+    assert launcher.startswith("srun --nodes=1 --ntasks=1 --ntasks-per-node=1 --cpus-per-task=2")
+    assert "launcher exited with status 0" in r.stderr
+    # An unset ${GLUE_DIR:?...} stops the job before anything starts, with the message.
+    del env["GLUE_DIR"]
+    (tmp_path / "record.json").unlink()
+    r, rec = run_script(text, tmp_path, env)
+    assert r.returncode != 0 and "set GLUE_DIR" in r.stderr and rec == {}
+
+
+def test_default_run_directory_is_named_after_the_job(job_sandbox):
+    tmp_path, env = job_sandbox
+    env.update(SLURM_SUBMIT_DIR=str(tmp_path), SLURM_JOB_ID="4242")
+    r, rec = run_script(render(spec("slurm", job_name="mrpc"), "cmd"), tmp_path, env)
+    assert r.returncode == 0, r.stderr
+    assert rec["argv"][-2:] == ["--out", str(tmp_path / "runs" / "mrpc-4242")]
+    assert rec["env"]["HPCBERT_STOP_FILE"] == str(tmp_path / "runs" / "mrpc-4242" / "STOP")
+
+
+def test_pbs_script_uses_mpiexec_under_pbs_and_srun_under_slurms_qsub(job_sandbox):
+    tmp_path, env = job_sandbox
+    text = render(spec("pbs", cpus_per_node=8), "cmd")
+    pbs_env = dict(env, PBS_JOBID="77.server", PBS_O_WORKDIR=str(tmp_path), OMP_NUM_THREADS="64")
+    r, rec = run_script(text, tmp_path, pbs_env)
+    assert r.returncode == 0, r.stderr
+    assert (tmp_path / "record.json.launcher").read_text() == f"mpiexec -n 2 --ppn 1 {env['HPCBERT_BOOTSTRAP']} " \
+        f"--nproc-per-node 4 -- {' '.join(TRAIN)} --out {tmp_path}/runs/hpcbert-77.server\n"
+    assert rec["env"]["OMP_NUM_THREADS"] == "2"  # PBS's 64 (= ncpus) replaced: 8 cores / 4 workers
+    (tmp_path / "record.json.launcher").unlink()
+    r, rec = run_script(text, tmp_path, dict(env, SLURM_JOB_ID="5", SLURM_SUBMIT_DIR=str(tmp_path)))
+    assert r.returncode == 0, r.stderr
+    assert (tmp_path / "record.json.launcher").read_text().startswith("srun --nodes=2 --ntasks=2")
+
+
+def test_pbsdsh_gets_the_directory_and_environment_back(job_sandbox):
+    """pbsdsh starts tasks in $HOME with a bare environment (the stand-in runs `env -i`)."""
+    tmp_path, env = job_sandbox
+    stub(tmp_path / "bin" / "pbsdsh", LAUNCHER.replace('exec "$@"', 'cd / && exec env -i "$@"'))
+    text = render(spec("pbs", launcher="pbsdsh", gpus_per_node=0, procs_per_node=3, cpus_per_node=6), "cmd")
+    r, rec = run_script(text, tmp_path, dict(env, PBS_JOBID="8", PBS_O_WORKDIR=str(tmp_path)))
+    assert r.returncode == 0, r.stderr
+    assert rec["cwd"] == str(tmp_path) and rec["env"]["OMP_NUM_THREADS"] == "2"
+    assert rec["env"]["HPCBERT_STOP_FILE"] == str(tmp_path / "runs" / "hpcbert-8" / "STOP")
+    assert (tmp_path / "record.json.launcher").read_text().startswith("pbsdsh -- /bin/bash -c")
+
+
+def test_container_settings_are_exported_for_the_bootstrap(job_sandbox):
+    tmp_path, env = job_sandbox
+    text = render(spec("slurm", container="${HPCBERT_IMAGE:-hpcbert.sif}", binds=["/scratch:/scratch", "/d:/d:ro"]),
+                  "cmd", workdir=str(tmp_path), python="/host/python", kit="/kit")
+    r, rec = run_script(text, tmp_path, env)
+    assert r.returncode == 0, r.stderr
+    assert rec["env"]["HPCBERT_WRAPPER"] == "/kit/singularity/exec.sh"
+    assert rec["env"]["HPCBERT_IMAGE"] == "hpcbert.sif" and rec["env"]["HPCBERT_BINDS"] == "/scratch:/scratch,/d:/d:ro"
+    assert rec["env"]["HPCBERT_NV"] == "1"
+    assert rec["env"]["HPCBERT_PYTHON"] == "python3"  # the image's interpreter, not this machine's
+
+
+@pytest.mark.parametrize("sig", [signal.SIGUSR1, signal.SIGTERM])
+def test_a_signal_to_the_batch_shell_becomes_the_stop_file_and_the_job_waits(job_sandbox, sig):
+    """Slurm's --signal=B:USR1 and the walltime's SIGTERM reach the batch shell: it touches
+    $HPCBERT_STOP_FILE and keeps waiting while training (here a stand-in that polls the file, as the
+    training loop will) finishes."""
+    tmp_path, env = job_sandbox
+    stub(tmp_path / "bin" / "bootstrap.sh", """#!/usr/bin/env bash
+trap '' TERM   # the stand-in 'training' survives SIGTERM, as a checkpointing loop does
+touch "$HPCBERT_TEST_LOG.started"
+for _ in $(seq 300); do [ -e "$HPCBERT_STOP_FILE" ] && { sleep 0.5; echo done > "$HPCBERT_TEST_LOG.done"; exit 0; }; sleep 0.05; done
+exit 3
+""")
+    script = stub(tmp_path / "job.sh", render(spec("slurm", nodes=1, gpus_per_node=0), "cmd"))
+    proc = subprocess.Popen(["bash", str(script)], env=dict(env, SLURM_SUBMIT_DIR=str(tmp_path)), cwd=tmp_path,
+                            stderr=subprocess.PIPE, text=True)
+    started = Path(env["HPCBERT_TEST_LOG"] + ".started")
+    for _ in range(200):
+        if started.exists():
+            break
+        time.sleep(0.05)
+    os.kill(proc.pid, sig)
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0, err
+    assert (tmp_path / "runs" / "hpcbert-local" / "STOP").exists()
+    assert Path(env["HPCBERT_TEST_LOG"] + ".done").exists()  # the job waited for training to end
+    assert f"{sig.name.removeprefix('SIG')} at" in err and "launcher exited with status 0" in err
+
+
+# --- the container wrapper ------------------------------------------------------------------------
+
+FAKE_RUNTIME = """#!/usr/bin/env bash
+# stand-in apptainer/singularity: records arguments and the *ENV_ variables, runs the command after the image
+printf '%s\\n' "$@" > "$HPCBERT_TEST_LOG"
+env | grep -E '^(APPTAINER|SINGULARITY)ENV_' | sort > "$HPCBERT_TEST_LOG.env"
+[ "$1" = exec ] && shift
+while [ $# -gt 0 ]; do case $1 in --bind|-B|--env) shift 2 ;; -*) shift ;; *) shift; break ;; esac; done
+exec "$@"
+"""
+
+
+@pytest.fixture
+def container_sandbox(tmp_path):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HPCBERT_", "CUDA_VISIBLE"))}
+    # PATH without any real runtime or nvidia-smi: this dir, then only the basic system tools.
+    env.update(PATH=f"{bin_dir}:/usr/bin:/bin", HPCBERT_TEST_LOG=str(tmp_path / "args"))
+    return tmp_path, bin_dir, env
+
+
+def wrap(env, *args):
+    return subprocess.run([str(EXEC_SH), *args], env=env, capture_output=True, text=True, timeout=30)
+
+
+def test_exec_sh_runs_the_command_in_apptainer_with_gpu_binds_and_the_rendezvous(container_sandbox):
+    tmp_path, bin_dir, env = container_sandbox
+    stub(bin_dir / "apptainer", FAKE_RUNTIME)
+    stub(bin_dir / "singularity", FAKE_RUNTIME.replace("printf", "echo singularity-used >&2; printf"))
+    env.update(CUDA_VISIBLE_DEVICES="0,1,2,3", MASTER_ADDR="node01", NODE_RANK="1", SLURM_JOB_ID="99",
+               HPCBERT_BINDS="/scratch:/scratch", HPCBERT_CONTAINER_ENV="MY_VAR", MY_VAR="x,y", UNRELATED="no")
+    r = wrap(env, "--image", "img.sif", "--bind", "/data:/data:ro", "--", "sh", "-c", 'echo "ran $0 $1"', "a b")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == "ran a b \n"
+    assert (tmp_path / "args").read_text().splitlines() == [
+        "exec", "--nv", "--cleanenv", "--bind", "/scratch:/scratch", "--bind", "/data:/data:ro",
+        "--env", "PYTHONNOUSERSITE=1", "img.sif", "sh", "-c", 'echo "ran $0 $1"', "a b"]
+    passed = (tmp_path / "args.env").read_text().splitlines()
+    for line in ("APPTAINERENV_CUDA_VISIBLE_DEVICES=0,1,2,3", "APPTAINERENV_MASTER_ADDR=node01",
+                 "APPTAINERENV_NODE_RANK=1", "APPTAINERENV_SLURM_JOB_ID=99", "APPTAINERENV_MY_VAR=x,y"):
+        assert line in passed
+    assert not [p for p in passed if "UNRELATED" in p]
+    assert "singularity-used" not in r.stderr  # apptainer first
+
+
+def test_exec_sh_falls_back_to_singularity_and_drops_nv_without_a_gpu(container_sandbox):
+    tmp_path, bin_dir, env = container_sandbox
+    stub(bin_dir / "singularity", FAKE_RUNTIME)
+    env.update(HPCBERT_IMAGE="from-env.sif", OMP_NUM_THREADS="3")
+    r = wrap(env, "--", "true")
+    assert r.returncode == 0, r.stderr
+    args = (tmp_path / "args").read_text().splitlines()
+    assert args == ["exec", "--cleanenv", "--env", "PYTHONNOUSERSITE=1", "from-env.sif", "true"]
+    assert "SINGULARITYENV_OMP_NUM_THREADS=3" in (tmp_path / "args.env").read_text()
+    r = wrap(dict(env, HPCBERT_NV="1"), "--no-cleanenv", "--", "true")
+    assert (tmp_path / "args").read_text().splitlines()[:3] == ["exec", "--nv", "--env"]
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--image", "x.sif", "--", "true"], ["neither apptainer nor singularity"]),
+    (["--", "true"], ["no image"]),
+    (["--image", "x.sif"], ["no command"]),
+    (["--image", "x.sif", "--bogus", "--", "true"], ["unknown option --bogus"]),
+])
+def test_exec_sh_errors_say_what_to_do(container_sandbox, args, words):
+    _, _, env = container_sandbox
+    r = wrap(env, *args)
+    assert r.returncode == 2 and all(w in r.stderr for w in words), r.stderr
+
+
+def test_definition_file_builds_on_ngc_pytorch_and_keeps_its_torch():
+    text = (ROOT / "singularity" / "hpcbert.def").read_text()
+    assert re.search(r"^Bootstrap: docker$", text, re.M)
+    assert re.search(r"^From: nvcr\.io/nvidia/pytorch:(\S+|{{ NGC_TAG }})-py3$", text, re.M)
+    assert re.search(r"pip install [^\n]*--no-deps /opt/hpcbert", text)
+    installs = re.findall(r"pip install ((?:[^\n]*\\\n)*[^\n]*)", text)
+    assert installs and not [i for i in installs if re.search(r"\btorch\b", i)], "the image's torch must stay"
+    assert "image-pins.txt" in text and "PYTHONNOUSERSITE=1" in text
+
+
+# --- thin scripts and the CLI ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("script, command", [("run_glue.sh", "train"), ("eval.sh", "report")])
+def test_hpcai_scripts_pass_every_argument_to_hpcbert(tmp_path, script, command):
+    fake_python = stub(tmp_path / "python", '#!/usr/bin/env bash\nprintf "%s\\n" "$@" > "$HPCBERT_TEST_LOG"\n')
+    env = dict(os.environ, HPCBERT_PYTHON=str(fake_python), HPCBERT_TEST_LOG=str(tmp_path / "args"))
+    args = ["--task", "mrpc", "--out", "a dir/with space"]
+    r = subprocess.run([str(ROOT / "hpcai_scripts" / script), *args], env=env, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert (tmp_path / "args").read_text().splitlines() == ["-m", "hpcbert.cli", command, *args]
+
+
+def test_hpcbert_submit_dispatches_from_the_main_cli(capsys):
+    from hpcbert.cli import main
+    assert main(["submit", "--scheduler", "slurm", "--preset", "baseline", "--portable", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("#!/bin/bash\n") and "#SBATCH --gpus-per-node=1" in out and "--batch-size 24" in out
+
+
+def test_submit_without_the_scheduler_command_says_so(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    rc = submit.cli(["--scheduler", "pbs", "--nodes", "1", "--gpus-per-node", "0", "--walltime", "00:10:00",
+                     "--", *TRAIN])
+    err = capsys.readouterr().err
+    assert rc == 2 and "qsub not found" in err and (tmp_path / "hpcbert.pbs").exists()

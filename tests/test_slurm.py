@@ -1,0 +1,161 @@
+"""Generated job scripts under a real scheduler: the local Slurm cluster (tests/slurm_cluster.py).
+
+A Slurm script goes in through `sbatch`, a Torque-style one through Slurm's `qsub` wrapper (which
+hands the #PBS lines to sbatch), and each trains 2 processes to a complete run directory. A third
+job checks the walltime contract: Slurm's USR1 reaches the batch shell and becomes the stop file.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT
+from hpcbert.runfiles import read_summary
+from slurm_cluster import slurm_cluster  # noqa: F401  (the session fixture)
+
+pytestmark = [pytest.mark.slow, pytest.mark.root]
+
+BOOTSTRAP = ROOT / "multinode_communication" / "bootstrap.sh"
+# The bootstrap's interface, one node only, honouring HPCBERT_WRAPPER (the container prefix) the way
+# the job scripts expect bootstrap.sh to: `$HPCBERT_WRAPPER -- torchrun ...`.
+WRAPPING_BOOTSTRAP = """#!/usr/bin/env bash
+set -euo pipefail
+nproc=1
+while [ $# -gt 0 ]; do
+  case $1 in --nproc-per-node) nproc=$2; shift 2 ;; --) shift; break ;; *) echo "bootstrap: bad option $1" >&2; exit 2 ;; esac
+done
+exec ${HPCBERT_WRAPPER:+"$HPCBERT_WRAPPER" --} "$HPCBERT_PYTHON" -m torch.distributed.run --standalone \\
+  --nnodes=1 --nproc-per-node="$nproc" -m hpcbert.cli train "$@"
+"""
+TRAIN = ["--model", "bert-tiny", "--task", "synthetic", "--max-steps", "6", "--batch-size", "4", "--threads", "1",
+         "--synthetic-train-size", "64", "--synthetic-dev-size", "16", "--log-every", "2"]
+CPU_JOB = ["--nodes", "1", "--gpus-per-node", "0", "--procs-per-node", "2", "--cpus-per-node", "2",
+           "--walltime", "00:05:00"]
+
+
+@pytest.fixture
+def job_env(slurm_cluster):  # noqa: F811
+    """The environment `hpcbert submit` runs in; sbatch exports it to the job (--export=ALL)."""
+    if not BOOTSTRAP.exists():
+        pytest.skip(f"{BOOTSTRAP} is not there (multinode_communication/)")
+    # PYTHON: the interpreter bootstrap.sh runs hpcbert.launch (and so torchrun) with; the job scripts
+    # export the one recorded at render time as HPCBERT_PYTHON.
+    return dict(slurm_cluster.env, PYTHONPATH=str(ROOT / "BERT"), OMP_NUM_THREADS="1", PYTHON=sys.executable)
+
+
+def submit(args, env, cwd) -> str:
+    r = subprocess.run([sys.executable, "-m", "hpcbert.cli", "submit", *map(str, args)], env=env, cwd=cwd,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    job_id = r.stdout.strip()
+    assert job_id.isdigit(), r.stdout
+    return job_id
+
+
+def job_output(tmp_path: Path) -> str:
+    return "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')}" for p in sorted(tmp_path.glob("*.[oe]*"))
+                     if p.is_file())
+
+
+def assert_two_process_run(cluster, job_id, run_dir, tmp_path):
+    info = cluster.wait(job_id, timeout=100)
+    assert (info["JobState"], info["ExitCode"]) == ("COMPLETED", "0:0"), job_output(tmp_path)
+    s = read_summary(run_dir)
+    assert (s["world_size"], s["steps"], s["stopped_by"]) == (2, 6, "max_steps")
+    assert s["global_batch_size"] == 8 and s["sequences"] == 48
+    assert not (run_dir / "STOP").exists()
+    return info
+
+
+def test_sbatch_runs_a_generated_slurm_script(slurm_cluster, job_env, tmp_path):  # noqa: F811
+    run_dir = tmp_path / "run"
+    job_id = submit(["--scheduler", "slurm", *CPU_JOB, "--out-script", "job.sbatch", "--", *TRAIN,
+                     "--out", run_dir], job_env, tmp_path)
+    info = assert_two_process_run(slurm_cluster, job_id, run_dir, tmp_path)
+    assert info["TimeLimit"] == "00:05:00" and info["NumNodes"] == "1"
+    log = (tmp_path / f"hpcbert-{job_id}.out").read_text()
+    assert f"[hpcbert job] job {job_id}: 1 node(s) x 2 process(es)" in log
+    assert "launcher exited with status 0" in log
+
+
+def test_qsub_runs_a_generated_torque_script(slurm_cluster, job_env, tmp_path):  # noqa: F811
+    """Torque flavour through Slurm's qsub wrapper: sbatch reads the #PBS lines, there are no PBS_*
+    variables and no pbsdsh, so the script starts the bootstrap with srun."""
+    run_dir = tmp_path / "run"
+    job_id = submit(["--scheduler", "torque", *CPU_JOB, "--out-script", "job.pbs", "--", *TRAIN, "--out", run_dir],
+                    job_env, tmp_path)
+    info = assert_two_process_run(slurm_cluster, job_id, run_dir, tmp_path)
+    assert info["JobName"] == "hpcbert" and info["NumCPUs"] == "2"
+    assert "hpcbert launch: slurm: node 0 of 1" in (tmp_path / f"job.pbs.e{job_id}").read_text()
+
+
+def test_sbatch_runs_torchrun_inside_the_container_wrapper(slurm_cluster, job_env, tmp_path):  # noqa: F811
+    """job script -> srun -> bootstrap -> singularity/exec.sh -> `apptainer exec` -> torchrun, with a
+    stand-in `apptainer` that records its arguments and runs the command after the image."""
+    fake_bin = tmp_path / "bin"
+    fake_bin.mkdir()
+    (fake_bin / "apptainer").write_text(
+        '#!/usr/bin/env bash\nprintf "%s\\n" "$@" > "$HPCBERT_TEST_APPTAINER_LOG"\n'
+        'shift\nwhile [ $# -gt 0 ]; do case $1 in --bind|--env) shift 2 ;; -*) shift ;; *) shift; break ;; esac; done\n'
+        'exec "$@"\n')
+    (fake_bin / "apptainer").chmod(0o755)
+    bootstrap = tmp_path / "bootstrap.sh"
+    bootstrap.write_text(WRAPPING_BOOTSTRAP)
+    bootstrap.chmod(0o755)
+    # HPCBERT_PYTHON: the image's interpreter (the script's default is python3, the image's); here the
+    # "image" is this machine.
+    env = dict(job_env, PATH=f"{fake_bin}:{job_env['PATH']}", HPCBERT_BOOTSTRAP=str(bootstrap),
+               HPCBERT_PYTHON=sys.executable,
+               HPCBERT_TEST_APPTAINER_LOG=str(tmp_path / "apptainer.args"))
+    run_dir = tmp_path / "run"
+    job_id = submit(["--scheduler", "slurm", *CPU_JOB, "--container", "hpcbert.sif", "--bind", f"{tmp_path}:/data",
+                     "--out-script", "job.sbatch", "--", *TRAIN, "--out", run_dir], env, tmp_path)
+    assert_two_process_run(slurm_cluster, job_id, run_dir, tmp_path)
+    args = (tmp_path / "apptainer.args").read_text().split("\n")
+    assert args[:6] == ["exec", "--cleanenv", "--bind", f"{tmp_path}:/data", "--env", "PYTHONNOUSERSITE=1"]
+    assert args[6:10] == ["hpcbert.sif", sys.executable, "-m", "torch.distributed.run"]
+
+
+def test_pbs_pro_script_is_accepted_by_sbatch(slurm_cluster, job_env, tmp_path):  # noqa: F811
+    """Slurm's sbatch reads #PBS lines: select=...:mpiprocs=1 with place=scatter on its own line parses."""
+    script = tmp_path / "job.pbs"
+    r = subprocess.run([sys.executable, "-m", "hpcbert.cli", "submit", "--scheduler", "pbs", *CPU_JOB, "--queue",
+                        "debug", "--dry-run", "--out-script", script, "--", *TRAIN], env=job_env,
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    t = slurm_cluster.run("sbatch", "--test-only", script, cwd=tmp_path)
+    assert t.returncode == 0 and "to start at" in t.stderr, t.stderr
+
+
+def test_usr1_before_the_walltime_becomes_the_stop_file(slurm_cluster, job_env, tmp_path):  # noqa: F811
+    """`--signal=B:USR1@T` reaches the batch shell (sent here at once with scancel --batch); the shell
+    touches $HPCBERT_STOP_FILE, keeps waiting, and the 'training' (a stand-in that polls the stop
+    file, as the training loop will) ends cleanly. The deadline is exported too."""
+    waiter = tmp_path / "waiter.sh"
+    waiter.write_text(f"""#!/usr/bin/env bash
+echo "$HPCBERT_JOB_DEADLINE $HPCBERT_STOP_FILE $OMP_NUM_THREADS $(date +%s)" > {tmp_path}/started
+for _ in $(seq 600); do [ -e "$HPCBERT_STOP_FILE" ] && {{ echo stopped > {tmp_path}/stopped; exit 0; }}; sleep 0.1; done
+exit 3
+""")
+    waiter.chmod(0o755)
+    env = dict(job_env, HPCBERT_BOOTSTRAP=str(waiter))
+    job_id = submit(["--scheduler", "slurm", *CPU_JOB, "--stop-margin", "90", "--out-script", "job.sbatch", "--",
+                     *TRAIN, "--out", tmp_path / "run"], env, tmp_path)
+    for _ in range(200):
+        if (tmp_path / "started").exists():
+            break
+        time.sleep(0.1)
+    deadline, stop_file, threads, now = (tmp_path / "started").read_text().split()
+    assert stop_file == str(tmp_path / "run" / "STOP") and threads == "1"
+    assert 0 <= int(now) + 300 - 90 - int(deadline) <= 5
+    assert slurm_cluster.run("scancel", "--signal=USR1", "--batch", job_id).returncode == 0
+    info = slurm_cluster.wait(job_id, timeout=30)
+    assert (info["JobState"], info["ExitCode"]) == ("COMPLETED", "0:0"), job_output(tmp_path)
+    assert (tmp_path / "stopped").exists() and (tmp_path / "run" / "STOP").exists()
+    assert "USR1" in (tmp_path / f"hpcbert-{job_id}.out").read_text()
+    assert "#SBATCH --signal=B:USR1@90\n" in (tmp_path / "job.sbatch").read_text()
