@@ -15,6 +15,7 @@ import types
 import typing
 
 from .config import RunConfig, field_help
+from .dist import StartupError
 
 
 def _base_type(tp):
@@ -53,6 +54,9 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] == "report":
         from . import report
         return report.cli(argv[1:])
+    if argv and argv[0] == "submit":
+        from .jobs import submit
+        return submit.cli(argv[1:])
 
     parser = argparse.ArgumentParser(prog="hpcbert", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -63,6 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     from . import bench
     bench.add_options(p_bench)
     sub.add_parser("report", help="tables and an HTML report from run directories (see hpcbert report --help)")
+    sub.add_parser("submit", help="render a PBS Pro / Torque / Slurm job script and submit it (see hpcbert submit --help)")
 
     ns = parser.parse_args(argv)
     try:
@@ -77,6 +82,9 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"hpcbert {ns.command}: error: {e}", file=sys.stderr)
         return 2
+    except StartupError as e:  # a rank did not arrive: the message names it
+        print(f"hpcbert {ns.command}: error: {e}", file=sys.stderr)
+        return 1
     return 1
 
 

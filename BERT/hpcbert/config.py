@@ -57,6 +57,24 @@ def parse_grad_ckpt(policy: str) -> str:
     raise ValueError(f"grad_ckpt: unknown policy {policy!r}; accepted: {GRAD_CKPT_HELP}")
 
 
+def parse_per_rank_batch(text: str | None) -> list[int] | str | None:
+    """'32,32,16,16' -> [32, 32, 16, 16]; 'auto' -> 'auto'; None/'' -> None (use --batch-size)."""
+    if text is None or str(text).strip() == "":
+        return None
+    s = str(text).strip().lower()
+    if s == "auto":
+        return "auto"
+    parts = [p.strip() for p in s.split(",")]
+    if not all(re.fullmatch(r"\d+", p) for p in parts) or any(int(p) < 1 for p in parts):
+        raise ValueError(f"per_rank_batch: cannot read {text!r}; accepted: 'auto' or one integer >= 1 per "
+                         f"global rank, comma-separated ('32,32,16,16')")
+    return [int(p) for p in parts]
+
+
+def format_per_rank_batch(value: list[int] | str | None) -> str | None:
+    return ",".join(map(str, value)) if isinstance(value, list) else value
+
+
 def _choice(name: str, value: str, accepted: tuple[str, ...]) -> None:
     if value not in accepted:
         raise ValueError(f"{name}: {value!r} is not accepted; choose one of {', '.join(accepted)}")
@@ -83,6 +101,8 @@ class RunConfig:
     """Per-device micro-batch size (sequences per forward pass on one device)."""
     grad_accum: int = 1
     """Micro-batches accumulated per optimizer step."""
+    per_rank_batch: str | None = None
+    """Mixed GPU types: micro-batch per global rank, one entry per rank ('32,32,16,16'), or 'auto' (each rank probes the largest batch that fits its GPU at the chosen --grad-ckpt, then all agree). Replaces --batch-size; each rank's data share is proportional to its batch."""
     eval_batch_size: int = 64
     """Per-device batch size for evaluation."""
 
@@ -141,6 +161,8 @@ class RunConfig:
     """Evaluate on the dev split(s) after training."""
     threads: int | None = None
     """torch intra-op threads per process (default: cores / local processes)."""
+    dist_timeout: float = 600.0
+    """Seconds a rank waits for the others: at start-up (ranks that never arrive are named) and in every collective."""
 
     def __post_init__(self) -> None:
         self.task = self.task.lower()
@@ -150,6 +172,9 @@ class RunConfig:
         _choice("sampler", self.sampler, SAMPLERS)
         _choice("lr_scaling", self.lr_scaling, LR_SCALINGS)
         self.time_budget = parse_duration(self.time_budget, "time_budget")
+        self.per_rank_batch = format_per_rank_batch(parse_per_rank_batch(self.per_rank_batch))
+        if self.dist_timeout <= 0:
+            raise ValueError(f"dist_timeout: must be > 0 seconds, got {self.dist_timeout}")
         for name in ("max_seq_length", "batch_size", "grad_accum", "eval_batch_size", "log_every",
                      "synthetic_train_size", "synthetic_dev_size"):
             if getattr(self, name) < 1:

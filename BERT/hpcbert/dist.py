@@ -1,17 +1,33 @@
 """Distributed start-up in one function, and the few collectives the trainer needs.
 
 The same path runs for 1 process (no torchrun) and N processes (torchrun sets RANK, WORLD_SIZE,
-LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR/PORT). gloo on CPU, NCCL on CUDA.
+LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR/PORT; a hand launch may set them too). gloo on CPU,
+NCCL on CUDA, each rank pinned to its local GPU, threads per worker set explicitly.
+
+Start-up waits with a timeout and says who is missing: every rank checks in to the rendezvous
+TCPStore (hosted by rank 0, or by torchrun's agent) before the process group is created. A rank
+that never arrives makes the others fail after `timeout_s` with a message naming it, instead of
+hanging inside init_process_group (the most reported multi-node failure).
 """
 
 from __future__ import annotations
 
 import datetime
 import os
+import socket
+import time
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+
+class StartupError(RuntimeError):
+    """Distributed start-up failed; the message names the missing rank(s) and what to check."""
+
+    def __init__(self, message: str, missing: list[int] | None = None):
+        super().__init__(message)
+        self.missing = missing or []
 
 
 @dataclass
@@ -21,6 +37,8 @@ class Dist:
     local_rank: int
     local_world_size: int
     device: torch.device
+    backend: str | None = None   # gloo / nccl; None for a single process
+    threads: int = 1             # torch intra-op threads of this process
 
     @property
     def is_main(self) -> bool:
@@ -45,25 +63,146 @@ def _env_int(name: str, default: int) -> int:
         raise ValueError(f"environment: {name}={value!r} is not an integer") from e
 
 
-def init(threads: int | None = None, timeout_s: float = 300.0, device: str | None = None) -> Dist:
-    """Read torchrun's environment, choose the device and backend, set threads, init the group."""
+def default_threads(local_world: int) -> int:
+    """Cores this process may use (affinity mask, as set by Slurm/PBS cgroups) / local processes."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 1
+    return max(1, cores // max(1, local_world))
+
+
+def init(threads: int | None = None, timeout_s: float = 600.0, device: str | None = None) -> Dist:
+    """Read torchrun's environment, choose the device and backend, set threads, init the group.
+
+    timeout_s bounds the start-up wait for every rank and every later collective."""
     rank, world = _env_int("RANK", 0), _env_int("WORLD_SIZE", 1)
     local_rank, local_world = _env_int("LOCAL_RANK", 0), _env_int("LOCAL_WORLD_SIZE", 1)
+    if not 0 <= rank < world:
+        raise ValueError(f"environment: RANK={rank} is outside WORLD_SIZE={world}")
     use_cuda = torch.cuda.is_available() if device is None else device == "cuda"
     if use_cuda:
-        torch.cuda.set_device(local_rank)
+        n_gpu = torch.cuda.device_count()
+        if local_rank >= n_gpu:
+            raise ValueError(f"environment: LOCAL_RANK={local_rank} but this node has {n_gpu} visible GPU(s); "
+                             f"start at most {n_gpu} processes per node (--nproc-per-node)")
+        torch.cuda.set_device(local_rank)  # pin: this rank only ever touches its own GPU
         dev = torch.device("cuda", local_rank)
     else:
         dev = torch.device("cpu")
     # Explicit threads per worker: schedulers export OMP_NUM_THREADS = all cores of the chunk,
     # and N workers x all cores oversubscribe the CPU.
-    n_threads = threads or max(1, (os.cpu_count() or 1) // local_world)
+    n_threads = threads or default_threads(local_world)
     torch.set_num_threads(n_threads)
+    backend = None
     if world > 1 and not dist.is_initialized():
-        dist.init_process_group(backend="nccl" if use_cuda else "gloo",
+        backend = "nccl" if use_cuda else "gloo"
+        store = _check_in(rank, world, timeout_s)
+        dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=timeout_s),
                                 device_id=dev if use_cuda else None)
-    return Dist(rank, world, local_rank, local_world, dev)
+    elif dist.is_initialized():
+        backend = dist.get_backend()
+    return Dist(rank, world, local_rank, local_world, dev, backend, n_threads)
+
+
+def _check_in(rank: int, world: int, timeout_s: float) -> dist.Store:
+    """Check in to the env:// rendezvous store (MASTER_ADDR:MASTER_PORT) and wait for all ranks;
+    returns the store for init_process_group."""
+    addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
+    port = _env_int("MASTER_PORT", 29500)
+    # Under torchrun the agent may host the store (TORCHELASTIC_USE_AGENT_STORE=True); otherwise
+    # rank 0 hosts it, exactly as init_process_group's env:// rendezvous would.
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    prefix = f"hpcbert/start{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"  # fresh keys per restart
+    store = check_in(rank, world, timeout_s, addr, port, host_store=(rank == 0 and not agent_store), prefix=prefix,
+                     store_host="torchrun's agent on the head node" if agent_store else "rank 0")
+    return dist.PrefixStore(f"{prefix}/pg", store)
+
+
+def check_in(rank: int, world: int, timeout_s: float, addr: str, port: int, host_store: bool, prefix: str,
+             who: str = "rank", option: str = "--dist-timeout", store_host: str = "rank 0") -> dist.TCPStore:
+    """Every member (rank, or node for the launcher) announces itself in a TCPStore at addr:port
+    and waits until all `world` have. Raises StartupError naming the members that did not arrive
+    within timeout_s; member 0 publishes the list so every waiting member reports the same."""
+    where = f"{addr}:{port}"
+    deadline = time.monotonic() + timeout_s
+    unreachable = (f"{store_host} never started or is unreachable from {socket.gethostname()} "
+                   f"(missing {who}: 0).")
+    if not host_store:
+        # Wait for the store's port ourselves: TCPStore's client retries past its timeout (about
+        # twice it) and logs C++ stack traces; a plain connect loop keeps the bound exact.
+        while not _port_open(addr, port):
+            if time.monotonic() > deadline:
+                raise StartupError(f"{who} {rank}: nothing listens at the rendezvous store {where} after "
+                                   f"{timeout_s:g} s ({option}); {unreachable}", [0])
+            time.sleep(0.1)
+    try:
+        store = dist.TCPStore(addr, port, world_size=world, is_master=host_store,
+                              timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False,
+                              multi_tenant=True)
+    except (RuntimeError, dist.DistError) as e:
+        raise StartupError(f"{who} {rank}: could not open the rendezvous store at {where} within {timeout_s:g} s; "
+                           f"{unreachable} Underlying error: {e}", [] if host_store else [0]) from None
+    key = lambda r: f"{prefix}/{who}{r}"  # noqa: E731
+    store.set(key(rank), socket.gethostname())
+    store.add(f"{prefix}/arrived", 1)
+    grace = 0.0 if rank == 0 else 5.0  # the others allow member 0 a little longer to publish its list
+    try:
+        while True:
+            if store.add(f"{prefix}/arrived", 0) >= world:
+                store.add(f"{prefix}/done", 1)
+                if host_store:  # keep the store up until every member has seen that all arrived
+                    until = time.monotonic() + 10.0
+                    while store.add(f"{prefix}/done", 0) < world and time.monotonic() < until:
+                        time.sleep(0.02)
+                return store
+            if rank != 0 and store.check([f"{prefix}/missing"]):
+                missing = store.get(f"{prefix}/missing").decode()
+                raise StartupError(_missing_message(who, rank, missing, timeout_s, where, option), _ids(missing))
+            if time.monotonic() > deadline + grace:
+                break
+            time.sleep(0.05)
+        missing = ",".join(str(r) for r in range(world) if not store.check([key(r)]))
+        if rank == 0:
+            store.set(f"{prefix}/missing", missing)
+            time.sleep(2.0)  # keep the store up while the others read the list
+    except (RuntimeError, dist.DistError) as e:
+        if isinstance(e, StartupError):
+            raise
+        raise StartupError(f"{who} {rank}: lost the rendezvous store at {where} (hosted by {store_host}) while "
+                           f"waiting for all {world}; it stopped or the network failed: {e}") from None
+    raise StartupError(_missing_message(who, rank, missing, timeout_s, where, option), _ids(missing))
+
+
+def _ids(csv: str) -> list[int]:
+    return [int(x) for x in csv.split(",") if x]
+
+
+def _port_open(addr: str, port: int) -> bool:
+    try:
+        with socket.create_connection((addr, port), timeout=1.0):
+            return True
+    except OSError:
+        return False
+
+
+def _missing_message(who: str, rank: int, missing: str, timeout_s: float, where: str, option: str) -> str:
+    ids = missing.split(",") if missing else []
+    return (f"{who} {rank}: {who}(s) {', '.join(ids)} never arrived at the rendezvous store at {where} "
+            f"within {timeout_s:g} s ({option}). Check that {who} {ids[0] if ids else '?'} was started "
+            f"(and its node reaches {where}), and that the {'WORLD_SIZE' if who == 'rank' else 'host list'} "
+            f"is right.")
+
+
+def all_gather_ints(d: Dist, value: int) -> list[int]:
+    """Every rank's `value`, in rank order (one small collective)."""
+    if not d.active:
+        return [int(value)]
+    t = torch.zeros(d.world_size, dtype=torch.int64, device=d.device)
+    t[d.rank] = int(value)
+    dist.all_reduce(t)
+    return [int(x) for x in t.tolist()]
 
 
 def barrier(d: Dist) -> None:

@@ -6,7 +6,6 @@ Read top to bottom: `train(cfg)` builds everything, runs `_loop`, evaluates, wri
 from __future__ import annotations
 
 import contextlib
-import math
 import sys
 import time
 from dataclasses import dataclass
@@ -17,13 +16,13 @@ import torch
 import torch.distributed as tdist
 from torch import nn
 
-from . import PROCESS_START, __version__, dist, meters, policies, zoo
+from . import PROCESS_START, __version__, batching, dist, meters, policies, zoo
 from .config import RunConfig
 from .data.features import Features, collate, epoch_order, global_batches, shard
 from .data.metrics import accuracy, compute_metrics
 from .data.tasks import TaskData, load_task_data
 from .model import BertForSequenceClassification, flops_per_sequence, load_pretrained
-from .optim import make_optimizer, scaled_lr, warmup_linear
+from .optim import make_optimizer, warmup_linear
 from .runfiles import SCHEMA_VERSION, MetricsWriter, write_json_atomic
 
 
@@ -103,7 +102,7 @@ def _agree_stop(d: dist.Dist, stop: bool) -> bool:
 
 def train(cfg: RunConfig) -> dict:
     """Run one training job and return its summary (rank 0 also writes the run directory)."""
-    d = dist.init(cfg.threads)
+    d = dist.init(cfg.threads, cfg.dist_timeout)
     try:
         return _train(cfg, d)
     finally:
@@ -130,17 +129,15 @@ def _train(cfg: RunConfig, d: dist.Dist) -> dict:
     ckpt_layers = policies.apply_grad_ckpt(model, cfg.grad_ckpt)
     amp = lambda: policies.autocast(precision, d.device)  # noqa: E731 - a fresh context each use
 
-    # --- batch arithmetic, stated once: global = per-device x accumulation x world size ---
-    per_rank = [cfg.batch_size] * d.world_size
-    global_batch = sum(per_rank) * cfg.grad_accum
-    steps_per_epoch = math.ceil(len(data.train) / global_batch)
-    total_steps = cfg.max_steps or math.ceil(cfg.epochs * steps_per_epoch)
-    warmup_steps = round(cfg.warmup_ratio * total_steps)
-    lr = scaled_lr(cfg.lr, cfg.lr_scaling, d.world_size)
-    log(d, f"{spec.name}: {len(data.train)} train examples; batch {cfg.batch_size}/device x {cfg.grad_accum} accum "
-           f"x {d.world_size} ranks = {global_batch} global; {steps_per_epoch} steps/epoch, {total_steps} steps "
-           f"({warmup_steps} warm-up); lr {lr:g} (scaling {cfg.lr_scaling}); precision {precision}; "
-           f"grad_ckpt {cfg.grad_ckpt} (layers {ckpt_layers})")
+    # --- batch arithmetic, stated once (batching.py): global = sum of per-rank batches x accumulation ---
+    per_rank = batching.per_rank_batches(
+        cfg, d, lambda: batching.probe_max_batch(model, cfg.max_seq_length, amp, d.device), lambda m: log(d, m))
+    bp = batching.plan(cfg, len(data.train), per_rank)
+    global_batch, steps_per_epoch, total_steps, warmup_steps, lr = (
+        bp.global_batch, bp.steps_per_epoch, bp.total_steps, bp.warmup_steps, bp.lr)
+    log(d, f"{spec.name}: {bp.describe(len(data.train))}; precision {precision}; "
+           f"grad_ckpt {cfg.grad_ckpt} (layers {ckpt_layers}); {d.world_size} process(es) on {d.nodes} node(s), "
+           f"backend {d.backend or 'none'}, {d.threads} thread(s) each")
 
     # --- measurements taken before training (part of start-up) ---
     model.train()
@@ -150,7 +147,9 @@ def _train(cfg: RunConfig, d: dist.Dist) -> dict:
     # --- policies that change how the model runs ---
     raw = model
     if d.active:
-        model = nn.parallel.DistributedDataParallel(model, device_ids=[d.local_rank] if d.device.type == "cuda" else None)
+        # Gradients are all-reduced in 25 MB buckets, overlapping the rest of the backward pass.
+        model = nn.parallel.DistributedDataParallel(
+            model, device_ids=[d.local_rank] if d.device.type == "cuda" else None, bucket_cap_mb=25)
     model = policies.maybe_compile(model, cfg.compile)
     optimizer = make_optimizer(cfg, raw, lr, d.device)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_linear(warmup_steps, total_steps))
@@ -208,11 +207,15 @@ def _loop(cfg, d, model, raw, optimizer, scheduler, scaler, amp, train: Features
         real_tokens = padded = 0
         flops = 0.0
         for j, idx in enumerate(micro):
-            batch = collate(train, idx, pad_to).to(d.device)
+            # A short last batch can leave this rank no example; it must still join DDP's
+            # all-reduce, so it runs one example with weight 0 (zero gradient, not counted).
+            weight = 1.0 if len(idx) else 0.0
+            batch = collate(train, idx if len(idx) else gb[:1], pad_to).to(d.device)
             B, T = batch.input_ids.shape
-            real_tokens += batch.real_tokens
-            padded += B * T
-            flops += B * flops_per_sequence(mcfg, T)
+            if weight:
+                real_tokens += batch.real_tokens
+                padded += B * T
+                flops += B * flops_per_sequence(mcfg, T)
             # Gradients are all-reduced only on the last micro-batch of the step.
             sync = contextlib.nullcontext() if (not d.active or j == len(micro) - 1) else model.no_sync()
             with sync:
@@ -220,7 +223,7 @@ def _loop(cfg, d, model, raw, optimizer, scheduler, scaler, amp, train: Features
                     logits = model(batch.input_ids, batch.attention_mask, batch.token_type_ids)
                     # Sum over the micro-batch / examples in the global batch, x world size because
                     # DDP averages gradients over ranks: the gradient is that of one big batch.
-                    loss = raw.loss_sum(logits, batch.labels) * (d.world_size / len(gb))
+                    loss = raw.loss_sum(logits, batch.labels) * (weight * d.world_size / len(gb))
                 scaler.scale(loss).backward()
             loss_acc += loss.detach()
         scaler.unscale_(optimizer)
@@ -276,7 +279,9 @@ def evaluate(model: BertForSequenceClassification, feats: Features, spec, cfg: R
         loss_sum += float(model.loss_sum(logits, batch.labels))
         out = logits.float().squeeze(-1) if spec.is_regression else logits.argmax(-1)
         preds.append(out.cpu().numpy())
-    local = (mine, np.concatenate(preds) if preds else np.zeros(0), loss_sum)
+    # A rank can have no dev example (dev set smaller than the world): an empty array of the right dtype.
+    local = (mine, np.concatenate(preds) if preds else np.zeros(0, np.float32 if spec.is_regression else np.int64),
+             loss_sum)
     if d.active:
         gathered: list = [None] * d.world_size
         tdist.all_gather_object(gathered, local)
@@ -325,10 +330,12 @@ def _summary(cfg, d, src, raw, spec, precision, ckpt_layers, lr, per_rank, globa
         "ckpt_layers": ckpt_layers,
         "optimizer": cfg.optimizer,
         "lr": lr,
+        "lr_scaling": cfg.lr_scaling,
         "seed": cfg.seed,
         "world_size": d.world_size,
         "nodes": d.nodes,
         "gpus_per_node": d.local_world_size,
+        "dist_backend": d.backend,
         "per_device_batch_size": per_rank[0] if len(set(per_rank)) == 1 else per_rank,
         "grad_accum": cfg.grad_accum,
         "global_batch_size": global_batch,

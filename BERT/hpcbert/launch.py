@@ -1,0 +1,237 @@
+"""Multi-node start-up: one call per node derives the node count, this node's rank, the head host
+and the job id from the scheduler or a host list, then execs torchrun with c10d rendezvous.
+
+    python -m hpcbert.launch [--nproc-per-node N] [--hosts h1,h2 | --hostfile F] [--node-rank R]
+                             [--job-id ID] [--port P] [--ifname IF] [--dry-run] -- [hpcbert train options]
+
+Where the inputs come from (the first that applies):
+  --hosts / --hostfile   a host list (one per line or comma-separated); node rank from --node-rank,
+                         $NODE_RANK, or the entry that is this machine (its hostname or a local IP)
+  Slurm                  `scontrol show hostnames $SLURM_JOB_NODELIST`, $SLURM_NODEID, $SLURM_JOB_ID
+  PBS                    $PBS_NODEFILE (one line per slot: deduplicated, order kept), this host's
+                         position in it (or $NODE_RANK), $PBS_JOBID
+  nothing                one node
+Start it once per node: `srun --ntasks-per-node=1`, `mpiexec -n NNODES --ppn 1`, or by hand.
+The job id is the rendezvous id (never reused across jobs) and, unless --port is given, picks the
+rendezvous port, so two jobs sharing a head node do not collide.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import os
+import shlex
+import socket
+import subprocess
+import sys
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class Nodes:
+    hosts: list[str]     # one entry per node, head first
+    node_rank: int
+    job_id: str
+    source: str          # hosts, slurm, pbs or single
+
+    @property
+    def nnodes(self) -> int:
+        return len(self.hosts)
+
+    @property
+    def head(self) -> str:
+        return self.hosts[0]
+
+
+def is_ip(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+        return True
+    except ValueError:
+        return False
+
+
+def _is_local_ip(host: str) -> bool:
+    """True when `host` is an address of this machine (binding to it succeeds only then)."""
+    try:
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+            s.bind((host, 0))
+        return True
+    except OSError:
+        return False
+
+
+def _this_node(hosts: list[str], what: str) -> int:
+    names = {socket.gethostname(), socket.gethostname().split(".")[0], socket.getfqdn()}
+    for i, h in enumerate(hosts):
+        if h in names or h.split(".")[0] in names or (is_ip(h) and _is_local_ip(h)):
+            return i
+    raise ValueError(f"node rank: this machine ({socket.gethostname()}) is not in {what} ({', '.join(hosts)}); "
+                     f"pass --node-rank or set NODE_RANK")
+
+
+def _dedupe(lines: list[str]) -> list[str]:
+    seen: dict[str, None] = {}
+    for line in lines:
+        if line.strip():
+            seen.setdefault(line.strip(), None)
+    return list(seen)
+
+
+def _int(env: dict, name: str) -> int:
+    try:
+        return int(env[name])
+    except ValueError as e:
+        raise ValueError(f"environment: {name}={env[name]!r} is not an integer") from e
+
+
+def discover(env: dict[str, str], hosts: list[str] | None = None, node_rank: int | None = None,
+             job_id: str | None = None, scontrol: str = "scontrol") -> Nodes:
+    """The nodes of this job, from a host list, Slurm, PBS or nothing (one node)."""
+    if node_rank is None and env.get("NODE_RANK"):
+        node_rank = _int(env, "NODE_RANK")
+    if hosts:
+        source, hosts = "hosts", _dedupe(hosts)
+        job_id = job_id or env.get("HPCBERT_JOB_ID")
+        if not job_id:
+            raise ValueError("job id: a host list needs --job-id (or HPCBERT_JOB_ID), the same on every node and "
+                             "new for every job: it is the rendezvous id")
+        rank = node_rank if node_rank is not None else _this_node(hosts, "--hosts")
+    elif env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST"):
+        source = "slurm"
+        nodelist = env.get("SLURM_JOB_NODELIST") or env["SLURM_NODELIST"]
+        out = subprocess.run([scontrol, "show", "hostnames", nodelist], capture_output=True, text=True, check=True)
+        hosts = _dedupe(out.stdout.splitlines())
+        job_id = job_id or env.get("SLURM_JOB_ID") or env["SLURM_JOBID"]
+        rank = node_rank if node_rank is not None else (_int(env, "SLURM_NODEID") if "SLURM_NODEID" in env
+                                                        else _this_node(hosts, "SLURM_JOB_NODELIST"))
+    elif env.get("PBS_NODEFILE"):
+        source = "pbs"
+        hosts = _dedupe(Path(env["PBS_NODEFILE"]).read_text().splitlines())
+        job_id = job_id or env.get("PBS_JOBID") or "pbs"
+        rank = node_rank if node_rank is not None else _this_node(hosts, "PBS_NODEFILE")
+    else:
+        source, hosts, rank = "single", ["127.0.0.1"], 0
+        job_id = job_id or env.get("HPCBERT_JOB_ID") or f"single-{os.getpid()}"
+    if not 0 <= rank < len(hosts):
+        raise ValueError(f"node rank {rank} is outside the {len(hosts)} node(s) {', '.join(hosts)}")
+    return Nodes(hosts, rank, job_id, source)
+
+
+def default_port(job_id: str) -> int:
+    """A rendezvous port derived from the job id (29400-29899): the same on every node."""
+    return 29400 + zlib.crc32(job_id.encode()) % 500
+
+
+def torchrun_command(nodes: Nodes, nproc_per_node: int | str, port: int, train_args: list[str],
+                     local_addr: str | None = None, max_restarts: int = 0, join_timeout: int = 600,
+                     python: str = sys.executable) -> list[str]:
+    # is_host is always explicit: torch decides who hosts the rendezvous store by comparing the
+    # endpoint with this machine's hostname and the addresses it resolves to, which misses IP
+    # endpoints and secondary-NIC names (hpc-lab NOTES section 3.2): then nobody hosts it.
+    conf = f"is_host={1 if nodes.node_rank == 0 else 0},join_timeout={join_timeout}"
+    cmd = [python, "-m", "torch.distributed.run", f"--nnodes={nodes.nnodes}", f"--nproc-per-node={nproc_per_node}",
+           "--rdzv-backend=c10d", f"--rdzv-endpoint={nodes.head}:{port}", f"--rdzv-id={nodes.job_id}",
+           f"--rdzv-conf={conf}", f"--max-restarts={max_restarts}"]
+    if local_addr:
+        cmd.append(f"--local-addr={local_addr}")
+    return [*cmd, "-m", "hpcbert.cli", "train", *train_args]
+
+
+def launch_env(env: dict[str, str], ifname: str | None) -> dict[str, str]:
+    out = dict(env)
+    # torch 2.13: a TCPStore shared between rendezvous and workers makes restarts hang (NOTES 3.2).
+    out["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    if ifname:  # gloo otherwise binds the address the hostname resolves to (often 127.0.0.1)
+        out.setdefault("GLOO_SOCKET_IFNAME", ifname)
+        out.setdefault("NCCL_SOCKET_IFNAME", ifname)
+    return out
+
+
+def wait_for_nodes(nodes: Nodes, port: int, timeout_s: float) -> bool:
+    """Every node's launcher checks in at head:port and waits for the others; False (after printing
+    which nodes never came, by rank and host) when some did not within timeout_s. torchrun's own
+    rendezvous would only report a timeout, after --join-timeout, without naming anyone."""
+    try:
+        from .dist import StartupError, check_in
+    except ImportError as e:  # torch only inside the container (HPCBERT_WRAPPER): torchrun waits alone
+        print(f"hpcbert launch: no node check-in here ({e}); torchrun waits --join-timeout", file=sys.stderr)
+        return True
+    try:
+        store = check_in(nodes.node_rank, nodes.nnodes, timeout_s, nodes.head, port, host_store=nodes.node_rank == 0,
+                         prefix=f"hpcbert-launch/{nodes.job_id}", who="node", option="--join-timeout",
+                         store_host=f"the launcher on the head node {nodes.head}")
+    except StartupError as e:
+        hosts = ", ".join(f"node {i} = {nodes.hosts[i]}" for i in e.missing)
+        print(f"hpcbert launch: error: {e}" + (f" Not started: {hosts}." if hosts else ""), file=sys.stderr)
+        return False
+    del store  # closes the check-in store before torchrun starts
+    return True
+
+
+def _default_nproc(env: dict[str, str]) -> int:
+    for name in ("NPROC_PER_NODE", "SLURM_GPUS_ON_NODE"):
+        if env.get(name, "").isdigit():
+            return int(env[name])
+    import torch
+    return torch.cuda.device_count() or 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    ours, train_args = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
+    p = argparse.ArgumentParser(prog="python -m hpcbert.launch", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--nproc-per-node", default=None, help="processes per node (default: $NPROC_PER_NODE, "
+                   "$SLURM_GPUS_ON_NODE, the visible GPUs, or 1 on CPU)")
+    p.add_argument("--hosts", help="comma-separated host list, head first (instead of the scheduler's)")
+    p.add_argument("--hostfile", help="file with one host per line, head first")
+    p.add_argument("--node-rank", type=int, help="this node's index in the host list")
+    p.add_argument("--job-id", help="rendezvous id (default: the scheduler's job id)")
+    p.add_argument("--port", type=int, help="rendezvous port on the head (default: derived from the job id); "
+                   "the nodes check in on port + 1 first")
+    p.add_argument("--local-addr", help="this node's address for workers to reach (default: its host-list entry "
+                   "when that is an IP)")
+    p.add_argument("--ifname", help="network interface for gloo/NCCL (sets GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME "
+                   "unless already set)")
+    p.add_argument("--max-restarts", type=int, default=0)
+    p.add_argument("--join-timeout", type=int, default=600, help="seconds to wait for every node to join; the "
+                   "error names the nodes that did not")
+    p.add_argument("--dry-run", action="store_true", help="print the environment changes and command, do not run")
+    ns = p.parse_args(ours)
+    env = dict(os.environ)
+    hosts = None
+    if ns.hosts:
+        hosts = ns.hosts.split(",")
+    elif ns.hostfile:
+        hosts = Path(ns.hostfile).read_text().split()
+    try:
+        nodes = discover(env, hosts, ns.node_rank, ns.job_id)
+    except (ValueError, OSError, subprocess.CalledProcessError) as e:
+        print(f"hpcbert launch: error: {e}", file=sys.stderr)
+        return 2
+    local = nodes.hosts[nodes.node_rank]
+    local_addr = ns.local_addr or (local if is_ip(local) and nodes.source != "single" else None)
+    port = ns.port or default_port(nodes.job_id)
+    cmd = torchrun_command(nodes, ns.nproc_per_node or _default_nproc(env), port, train_args, local_addr,
+                           ns.max_restarts, ns.join_timeout, python=env.get("HPCBERT_PYTHON") or sys.executable)
+    if env.get("HPCBERT_WRAPPER"):  # a container prefix (singularity/exec.sh): WRAPPER -- torchrun ...
+        cmd = [env["HPCBERT_WRAPPER"], "--", *cmd]
+    new_env = launch_env(env, ns.ifname)
+    changes = {k: v for k, v in new_env.items() if env.get(k) != v}
+    print(f"hpcbert launch: {nodes.source}: node {nodes.node_rank} of {nodes.nnodes} ({', '.join(nodes.hosts)}), "
+          f"head {nodes.head}, job {nodes.job_id}", file=sys.stderr, flush=True)
+    print(" ".join(f"{k}={shlex.quote(v)}" for k, v in changes.items()), shlex.join(cmd), file=sys.stderr, flush=True)
+    if ns.dry_run:
+        return 0
+    if nodes.nnodes > 1 and not wait_for_nodes(nodes, port + 1, ns.join_timeout):
+        return 1
+    os.execvpe(cmd[0], cmd, new_env)
+    return 1  # not reached
+
+
+if __name__ == "__main__":
+    sys.exit(main())
