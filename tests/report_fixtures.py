@@ -59,7 +59,7 @@ def make_run(parent: str | Path, name: str, *, config: dict[str, Any] | None = N
         "dist_backend": "nccl" if world_size > 1 else None, "per_device_batch_size": cfg.batch_size,
         "grad_accum": cfg.grad_accum, "global_batch_size": global_batch, "steps": steps,
         "epochs_done": steps * global_batch / 3668, "sequences": steps * global_batch,
-        "startup_s": 30.0, "train_s": steps / steps_per_s, "warmup_steps_excluded": 10,
+        "resumed_from_step": None, "startup_s": 30.0, "train_s": steps / steps_per_s, "warmup_steps_excluded": 10,
         "steady_steps_per_sec": steps_per_s, "steady_sequences_per_sec": seq_per_s,
         "steady_step_time_s": step_time_s if step_time_s is not None else 1.0 / steps_per_s,
         "e2e_sequences_per_sec": steps * global_batch / (30.0 + steps / steps_per_s),

@@ -39,7 +39,7 @@ def add_run_options(p: argparse.ArgumentParser, defaults: dict | None = None) ->
         h = helps.get(f.name, "")
         if tp is bool:
             p.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=h)
-        elif f.name == "time_budget":
+        elif f.name in ("time_budget", "checkpoint_every"):
             p.add_argument(flag, type=str, default=default, help=h)
         else:
             p.add_argument(flag, type=tp, default=default, help=f"{h} (default: {default})")

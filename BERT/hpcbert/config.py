@@ -8,6 +8,7 @@ construction and names the field and the accepted values. The resolved config is
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -159,6 +160,14 @@ class RunConfig:
     """Steps excluded from steady-state throughput (default: min(10, 20% of the steps), at least 1)."""
     do_eval: bool = True
     """Evaluate on the dev split(s) after training."""
+    checkpoint_every: float | None = None
+    """Save a checkpoint every this much wall-clock time ('20m', '600'); off when not given."""
+    checkpoint_steps: int | None = None
+    """Save a checkpoint every N optimizer steps; off when not given."""
+    keep_last: int = 2
+    """Complete checkpoints kept in RUN_DIR/checkpoints (>= 2: the newest may be damaged)."""
+    resume: str | None = None
+    """auto (newest complete checkpoint in RUN_DIR, if any), never, or a checkpoint directory. Default: auto under a scheduler (SLURM_JOB_ID / PBS_JOBID set), never otherwise."""
     threads: int | None = None
     """torch intra-op threads per process (default: cores / local processes)."""
     dist_timeout: float = 600.0
@@ -172,6 +181,11 @@ class RunConfig:
         _choice("sampler", self.sampler, SAMPLERS)
         _choice("lr_scaling", self.lr_scaling, LR_SCALINGS)
         self.time_budget = parse_duration(self.time_budget, "time_budget")
+        self.checkpoint_every = parse_duration(self.checkpoint_every, "checkpoint_every")
+        if self.checkpoint_steps is not None and self.checkpoint_steps < 1:
+            raise ValueError(f"checkpoint_steps: must be >= 1, got {self.checkpoint_steps}")
+        if self.keep_last < 2:
+            raise ValueError(f"keep_last: must be >= 2 (the newest checkpoint may be damaged), got {self.keep_last}")
         self.per_rank_batch = format_per_rank_batch(parse_per_rank_batch(self.per_rank_batch))
         if self.dist_timeout <= 0:
             raise ValueError(f"dist_timeout: must be > 0 seconds, got {self.dist_timeout}")
@@ -195,6 +209,16 @@ class RunConfig:
             raise ValueError(f"data_dir: task {self.task!r} reads GLUE files; pass --data-dir GLUE_DIR "
                              f"(or use --task synthetic)")
 
+    @property
+    def checkpointing(self) -> bool:
+        return bool(self.checkpoint_every or self.checkpoint_steps)
+
+    def resume_mode(self) -> str:
+        """'never', 'auto' or a path; None resolves by whether a scheduler started us."""
+        if self.resume:
+            return self.resume
+        return "auto" if (os.environ.get("SLURM_JOB_ID") or os.environ.get("PBS_JOBID")) else "never"
+
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
@@ -208,6 +232,12 @@ class RunConfig:
 
     def replace(self, **changes: Any) -> "RunConfig":
         return dataclasses.replace(self, **changes)
+
+
+# Fields that may differ between a run and its resumption; every other field must match.
+RESUMABLE_CHANGES = frozenset({"out", "time_budget", "checkpoint_every", "checkpoint_steps", "keep_last", "resume",
+                               "threads", "dist_timeout", "log_every", "do_eval", "eval_batch_size", "cache_dir",
+                               "data_dir", "tokenizer"})
 
 
 def field_help() -> dict[str, str]:

@@ -34,8 +34,11 @@ class StepMeter:
     padded_tokens: list[int] = field(default_factory=list)   # B*T summed over micro-batches
     flops: list[float] = field(default_factory=list)         # model FLOPs of the step
     ends: list[float] = field(default_factory=list)          # wall-clock end of each step
+    in_budget: list[bool] = field(default_factory=list)      # ended inside its segment's time box
 
-    def add(self, seconds: float, sequences: int, tokens: int, padded: int, flops: float, end: float) -> None:
+    def add(self, seconds: float, sequences: int, tokens: int, padded: int, flops: float, end: float,
+            in_budget: bool = True) -> None:
+        self.in_budget.append(in_budget)
         self.times.append(seconds)
         self.sequences.append(sequences)
         self.tokens.append(tokens)

@@ -1029,7 +1029,7 @@ def bench_report(run_dirs: Sequence[str | os.PathLike], html_path: str | os.Path
 
 BENCH_COLUMNS = ("run", "seeds", "grad_ckpt", "per_device_batch", "steps", "seq_per_s", "step_time_ms",
                  "step_time_vs_none", "act_MiB_per_seq", "act_vs_none", "peak_mem_GiB", "startup_s",
-                 "steps_in_budget", "mfu_pct", "accuracy", "final_loss")
+                 "steps_in_budget", "mfu_pct", "accuracy", "final_loss", "speedup")
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -6,9 +6,11 @@ Read top to bottom: `train(cfg)` builds everything, runs `_loop`, evaluates, wri
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import json
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -17,13 +19,15 @@ import torch.distributed as tdist
 from torch import nn
 
 from . import PROCESS_START, __version__, batching, dist, meters, policies, zoo
-from .config import RunConfig
+from .checkpoint import Checkpoint, CheckpointManager
+from .config import RESUMABLE_CHANGES, RunConfig
 from .data.features import Features, collate, epoch_order, global_batches, shard
 from .data.metrics import accuracy, compute_metrics
 from .data.tasks import TaskData, load_task_data
 from .model import BertForSequenceClassification, flops_per_sequence, load_pretrained
 from .optim import make_optimizer, warmup_linear
 from .runfiles import SCHEMA_VERSION, MetricsWriter, write_json_atomic
+from .stopping import REASONS, StopConditions
 
 
 def log(d: dist.Dist, msg: str) -> None:
@@ -58,14 +62,25 @@ def build_model(cfg: RunConfig, num_labels: int, d: dist.Dist) -> tuple[BertForS
 
 
 @dataclass
+class LoopState:
+    """Where training stands. Saved in every checkpoint, so a resumed run continues exactly."""
+
+    step: int = 0                  # optimizer steps done
+    epoch: int = 0                 # current epoch
+    pos: int = 0                   # global batches of `epoch` done
+    sequences: int = 0             # training sequences done
+    window_loss: list[float] = field(default_factory=list)   # losses since the last log line
+    last_loss: float | None = None
+    elapsed_s: float = 0.0         # wall time of earlier segments (process start to their checkpoint);
+                                   # it counts against the time box and the end-to-end rate
+    resumed_from_step: int | None = None
+
+
+@dataclass
 class LoopResult:
-    steps: int
-    sequences: int
-    epochs_done: float
     stopped_by: str
     first_step_start: float
     last_step_end: float
-    final_loss: float | None
 
 
 class Progress:
@@ -91,13 +106,21 @@ class Progress:
             print(file=sys.stderr, flush=True)
 
 
-def _agree_stop(d: dist.Dist, stop: bool) -> bool:
-    """All ranks stop at the same step: any rank's stop request stops everyone."""
+def _agree_reason(d: dist.Dist, reason: str | None) -> str | None:
+    """All ranks stop at the same step: the strongest reason any rank has stops everyone."""
     if not d.active:
-        return stop
-    flag = torch.tensor([1.0 if stop else 0.0], device=d.device)
-    tdist.all_reduce(flag, op=tdist.ReduceOp.MAX)
-    return bool(flag.item())
+        return reason
+    code = torch.tensor([REASONS.index(reason)], device=d.device)
+    tdist.all_reduce(code, op=tdist.ReduceOp.MAX)
+    return REASONS[int(code.item())]
+
+
+def _agree_flag(d: dist.Dist, flag: bool) -> bool:
+    if not d.active:
+        return flag
+    t = torch.tensor([1 if flag else 0], device=d.device)
+    tdist.all_reduce(t, op=tdist.ReduceOp.MAX)
+    return bool(t.item())
 
 
 def train(cfg: RunConfig) -> dict:
@@ -155,24 +178,54 @@ def _train(cfg: RunConfig, d: dist.Dist) -> dict:
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_linear(warmup_steps, total_steps))
     scaler = policies.grad_scaler(precision, d.device)
 
-    meter = meters.StepMeter()
-    writer = MetricsWriter(run_dir / "metrics.jsonl") if d.is_main else None
-    deadline = PROCESS_START + cfg.time_budget if cfg.time_budget else None
+    # --- resume: the newest complete checkpoint of this run directory, if asked ---
+    meter, state = meters.StepMeter(), LoopState()
+    ckman = CheckpointManager(run_dir / "checkpoints", cfg.keep_last, d.rank, d.world_size, lambda: dist.barrier(d))
     torch.manual_seed(cfg.seed + 1000 * d.rank)  # dropout differs per rank, as in any DDP run
-    result = _loop(cfg, d, model, raw, optimizer, scheduler, scaler, amp, data.train, per_rank, global_batch,
-                   total_steps, steps_per_epoch, deadline, meter, writer)
-    if writer:
-        writer.close()
+    data_fp = _data_fingerprint(data.train)
+    ck = _find_checkpoint(cfg, ckman, d)
+    if ck is not None:
+        _restore(ck, ckman, cfg, data_fp, raw, optimizer, scheduler, scaler, state, meter, d)
+        log(d, f"resumed from {ck.path} (step {state.step}, epoch {state.epoch}, batch {state.pos})")
+        if d.is_main:
+            _truncate_metrics(run_dir / "metrics.jsonl", state.step)
 
-    # --- evaluation (after the time box) ---
+    def save() -> None:
+        t = time.perf_counter()
+        shared = {"model": raw.state_dict(), "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+                  "scaler": scaler.state_dict(), "meter": asdict(meter), "config": cfg.to_dict(), "data": data_fp,
+                  "loop": {**asdict(state), "elapsed_s": state.elapsed_s + time.time() - PROCESS_START}}
+        mine = {"rng_cpu": torch.get_rng_state(),
+                "rng_cuda": torch.cuda.get_rng_state(d.device) if d.device.type == "cuda" else None}
+        path = ckman.save(state.step, shared, mine)
+        log(d, f"checkpoint {path} ({time.perf_counter() - t:.1f}s)")
+
+    writer = MetricsWriter(run_dir / "metrics.jsonl") if d.is_main else None
+    budget_left = cfg.time_budget - state.elapsed_s if cfg.time_budget else None
+    stops = StopConditions.from_env(PROCESS_START + budget_left if budget_left is not None else None)
+    stops.install_signal_handlers()
+    try:
+        result = _loop(cfg, d, model, raw, optimizer, scheduler, scaler, amp, data.train, per_rank, global_batch,
+                       total_steps, stops, meter, state, writer, save if cfg.checkpointing else None)
+    finally:
+        stops.restore_signal_handlers()  # from here on a SIGTERM ends the process at once
+        if writer:
+            writer.close()
+    early = result.stopped_by in ("signal", "stop_file", "job_deadline")
+    if (cfg.checkpointing or early or ck is not None) and state.step and state.step != _last_saved(ckman):
+        save()  # one complete checkpoint at the end of every segment: resubmitting continues from here
+
+    # --- evaluation (after the time box; skipped when stopping early: the job's time is up) ---
     evals = {}
-    if cfg.do_eval and data.dev:
+    if cfg.do_eval and data.dev and not early:
         for split, feats in data.dev.items():
             evals[split] = evaluate(raw, feats, spec, cfg, d, amp)
             log(d, f"eval {split}: " + ", ".join(f"{k} {v:.4f}" for k, v in evals[split].items()))
+    elif early:
+        log(d, f"stopped early ({result.stopped_by}) at step {state.step}: run the same command again to resume")
 
     summary = _summary(cfg, d, src, raw, spec, precision, ckpt_layers, lr, per_rank, global_batch, result, meter,
-                       deadline, act_bytes, peak, peak_src, evals, run_dir)
+                       state, len(data.train), act_bytes, peak, peak_src, evals, run_dir)
     if d.is_main:
         write_json_atomic(run_dir / "summary.json", summary)
         log(d, f"run directory: {run_dir}")
@@ -180,28 +233,28 @@ def _train(cfg: RunConfig, d: dist.Dist) -> dict:
 
 
 def _loop(cfg, d, model, raw, optimizer, scheduler, scaler, amp, train: Features, per_rank, global_batch,
-          total_steps, steps_per_epoch, deadline, meter: meters.StepMeter, writer) -> LoopResult:
+          total_steps, stops: StopConditions, meter: meters.StepMeter, state: LoopState, writer, save) -> LoopResult:
     mcfg = raw.config
     progress = Progress(d, total_steps, cfg.log_every)
     pad_to = cfg.max_seq_length if cfg.pad_to_max_length else None
-    epoch, batches, pos = 0, None, 0
-    step, seqs, stopped_by = 0, 0, "max_steps" if cfg.max_steps else "epochs"
-    window_loss: list[float] = []
-    last_loss = None
-    first_start = time.time()
-    while step < total_steps:
-        if batches is None or pos == len(batches):
-            if batches is not None:
-                epoch, pos = epoch + 1, 0
-            batches = global_batches(epoch_order(train.lengths, cfg.sampler, cfg.seed, epoch, global_batch), global_batch)
-        # Time box: stop before a step that would not finish inside the budget.
-        if deadline is not None:
-            est = float(np.median(meter.times[-5:])) if len(meter) else 0.0
-            if _agree_stop(d, time.time() + est > deadline):
-                stopped_by = "time_budget"
-                break
+    order = lambda epoch: global_batches(epoch_order(train.lengths, cfg.sampler, cfg.seed, epoch, global_batch),  # noqa: E731
+                                         global_batch)
+    batches = order(state.epoch)
+    stopped_by = "max_steps" if cfg.max_steps else "epochs"
+    first_start = last_end = time.time()
+    last_save = time.time()
+    while state.step < total_steps:
+        if state.pos == len(batches):
+            state.epoch, state.pos = state.epoch + 1, 0
+            batches = order(state.epoch)  # reshuffled per epoch, the same on every rank
+        # Stop before a step that would not finish in time, or on a signal / stop file.
+        est = float(np.median(meter.times[-5:])) if len(meter) else 0.0
+        reason = _agree_reason(d, stops.reason(est))
+        if reason is not None:
+            stopped_by = reason
+            break
         t0 = time.perf_counter()
-        gb = batches[pos]
+        gb = batches[state.pos]
         micro = shard(gb, per_rank, d.rank, cfg.grad_accum)
         loss_acc = torch.zeros((), device=d.device)
         real_tokens = padded = 0
@@ -237,30 +290,97 @@ def _loop(cfg, d, model, raw, optimizer, scheduler, scaler, amp, train: Features
             loss_acc /= d.world_size
         loss_value = float(loss_acc)  # CPU-GPU sync point: the step's work is done here
         t1 = time.perf_counter()
-        step, pos, seqs = step + 1, pos + 1, seqs + len(gb)
+        state.step, state.pos, state.sequences = state.step + 1, state.pos + 1, state.sequences + len(gb)
         if d.active:  # per-rank token counts differ; the global figures are what a user wants
             counts = torch.tensor([real_tokens, padded, flops], dtype=torch.float64, device=d.device)
             tdist.all_reduce(counts)
             real_tokens, padded, flops = int(counts[0]), int(counts[1]), float(counts[2])
-        meter.add(t1 - t0, len(gb), real_tokens, padded, flops, time.time())
-        window_loss.append(loss_value)
-        progress.update(step, loss_value, len(gb) / (t1 - t0), time.time() - first_start)
-        if step % cfg.log_every == 0 or step == total_steps:
-            last_loss = float(np.mean(window_loss))
+        end = last_end = time.time()
+        meter.add(t1 - t0, len(gb), real_tokens, padded, flops, end,
+                  in_budget=stops.budget_deadline is None or end <= stops.budget_deadline)
+        state.window_loss.append(loss_value)
+        progress.update(state.step, loss_value, len(gb) / (t1 - t0), end - first_start)
+        if state.step % cfg.log_every == 0 or state.step == total_steps:
+            n = len(state.window_loss)
+            state.last_loss = float(np.mean(state.window_loss))
             if writer:
-                n = len(window_loss)
                 wt = sum(meter.times[-n:])
-                writer.write({"step": step, "epoch": epoch + pos / len(batches), "loss": last_loss,
-                              "lr": scheduler.get_last_lr()[0], "grad_norm": float(grad_norm),
+                writer.write({"step": state.step, "epoch": state.epoch + state.pos / len(batches),
+                              "loss": state.last_loss, "lr": scheduler.get_last_lr()[0], "grad_norm": float(grad_norm),
                               "step_time_s": wt / n, "sequences_per_sec": sum(meter.sequences[-n:]) / wt,
-                              "tokens_per_sec": sum(meter.tokens[-n:]) / wt, "elapsed_s": time.time() - PROCESS_START})
-            window_loss = []
+                              "tokens_per_sec": sum(meter.tokens[-n:]) / wt, "elapsed_s": end - PROCESS_START})
+            state.window_loss = []
+        # Periodic checkpoints, outside the timed step. Time-based: rank 0's clock decides for all.
+        if save is not None and state.step < total_steps:
+            due = bool(cfg.checkpoint_steps and state.step % cfg.checkpoint_steps == 0)
+            if cfg.checkpoint_every:
+                due = _agree_flag(d, due or (d.is_main and time.time() - last_save >= cfg.checkpoint_every))
+            if due:
+                save()
+                last_save = time.time()
     progress.close()
-    if window_loss:
-        last_loss = float(np.mean(window_loss))
-    epochs_done = (epoch + (pos / len(batches) if batches else 0)) if step else 0.0
-    return LoopResult(step, seqs, epochs_done, stopped_by, first_start, meter.ends[-1] if len(meter) else first_start,
-                      last_loss)
+    if state.window_loss:
+        state.last_loss = float(np.mean(state.window_loss))
+    return LoopResult(stopped_by, first_start, last_end)
+
+
+def _data_fingerprint(train: Features) -> str:
+    """Token ids and labels of the training set: a different vocabulary or data changes it."""
+    h = hashlib.sha256(train.ids.tobytes())
+    h.update(train.offsets.tobytes())
+    h.update(np.asarray(train.labels).tobytes())
+    return h.hexdigest()[:16]
+
+
+def _find_checkpoint(cfg: RunConfig, ckman: CheckpointManager, d: dist.Dist) -> Checkpoint | None:
+    mode = cfg.resume_mode()
+    if mode == "never":
+        return None
+    if mode == "auto":
+        return ckman.latest()
+    return ckman.verify(Path(mode))
+
+
+def _last_saved(ckman: CheckpointManager) -> int | None:
+    cks = ckman.list()
+    return cks[-1].step if cks else None
+
+
+def _restore(ck: Checkpoint, ckman: CheckpointManager, cfg: RunConfig, data_fp: str, raw, optimizer, scheduler,
+             scaler, state: LoopState, meter: meters.StepMeter, d: dist.Dist) -> None:
+    shared, mine = ckman.load(ck, map_location=d.device)
+    changed = sorted(k for k, v in shared["config"].items()
+                     if k not in RESUMABLE_CHANGES and getattr(cfg, k, None) != v)
+    if changed:
+        detail = ", ".join(f"{k} (checkpoint {shared['config'][k]!r}, now {getattr(cfg, k, None)!r})" for k in changed)
+        raise ValueError(f"resume: {ck.path} was written with other settings: {detail}; "
+                         f"use another --out or --resume never")
+    if shared["data"] != data_fp:
+        raise ValueError(f"resume: {ck.path} was trained on other token ids (vocabulary or training data changed); "
+                         f"use another --out or --resume never")
+    raw.load_state_dict(shared["model"])
+    optimizer.load_state_dict(shared["optimizer"])
+    scheduler.load_state_dict(shared["scheduler"])
+    scaler.load_state_dict(shared["scaler"])
+    for k, v in shared["meter"].items():
+        setattr(meter, k, list(v))
+    for k, v in shared["loop"].items():
+        setattr(state, k, v)
+    state.resumed_from_step = ck.step
+    torch.set_rng_state(mine["rng_cpu"].cpu())
+    if mine.get("rng_cuda") is not None:
+        torch.cuda.set_rng_state(mine["rng_cuda"].cpu(), d.device)
+
+
+def _truncate_metrics(path: Path, step: int) -> None:
+    """Drop metric lines the interrupted segment wrote after the checkpoint we resume from."""
+    if not path.is_file():
+        return
+    keep = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= step]
+    write_json_lines = "".join(line + "\n" for line in keep)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(write_json_lines)
+    tmp.replace(path)
 
 
 @torch.no_grad()
@@ -300,7 +420,8 @@ def evaluate(model: BertForSequenceClassification, feats: Features, spec, cfg: R
 
 
 def _summary(cfg, d, src, raw, spec, precision, ckpt_layers, lr, per_rank, global_batch, result: LoopResult,
-             meter: meters.StepMeter, deadline, act_bytes, peak, peak_src, evals, run_dir) -> dict:
+             meter: meters.StepMeter, state: LoopState, n_train: int, act_bytes, peak, peak_src, evals,
+             run_dir) -> dict:
     mcfg = raw.config
     warmup = cfg.warmup_steps_excluded if cfg.warmup_steps_excluded is not None else meter.default_warmup(len(meter))
     warmup = min(warmup, max(0, len(meter) - 1))
@@ -310,9 +431,10 @@ def _summary(cfg, d, src, raw, spec, precision, ckpt_layers, lr, per_rank, globa
     mem, mem_kind = meters.peak_memory(d.device)
     per_rank_t = _per_rank_step_times(d, meter, warmup)
     in_budget = None
-    if deadline is not None:
-        done = [i for i, end in enumerate(meter.ends) if end <= deadline]
+    if cfg.time_budget is not None:
+        done = [i for i, inside in enumerate(meter.in_budget) if inside]
         in_budget = (len(done), sum(meter.sequences[i] for i in done))
+    wall = state.elapsed_s + (result.last_step_end - PROCESS_START)  # all segments, from process start
     mfu = steady["model_flops_per_sec"] / peak if (peak and steady["model_flops_per_sec"]) else None
     return {
         "schema_version": SCHEMA_VERSION,
@@ -339,16 +461,17 @@ def _summary(cfg, d, src, raw, spec, precision, ckpt_layers, lr, per_rank, globa
         "per_device_batch_size": per_rank[0] if len(set(per_rank)) == 1 else per_rank,
         "grad_accum": cfg.grad_accum,
         "global_batch_size": global_batch,
-        "steps": result.steps,
-        "epochs_done": result.epochs_done,
-        "sequences": result.sequences,
+        "steps": state.step,
+        "epochs_done": state.sequences / n_train,
+        "sequences": state.sequences,
+        "resumed_from_step": state.resumed_from_step,
         "startup_s": startup,
         "train_s": train_s,
         "warmup_steps_excluded": warmup,
         "steady_steps_per_sec": steady["steady_steps_per_sec"],
         "steady_sequences_per_sec": steady["steady_sequences_per_sec"],
         "steady_step_time_s": steady["steady_step_time_s"],
-        "e2e_sequences_per_sec": result.sequences / (startup + train_s) if result.steps else None,
+        "e2e_sequences_per_sec": state.sequences / wall if state.step else None,
         "tokens_per_sec": steady["tokens_per_sec"],
         "padded_tokens_per_sec": steady["padded_tokens_per_sec"],
         "throughput_method": (f"summed step times of steps {warmup + 1}..{len(meter)} (first {warmup} excluded as "
@@ -365,7 +488,7 @@ def _summary(cfg, d, src, raw, spec, precision, ckpt_layers, lr, per_rank, globa
         "peak_flops": peak,
         "peak_flops_source": peak_src,
         "mfu": mfu,
-        "final_loss": result.final_loss,
+        "final_loss": state.last_loss,
         "eval": evals,
         "main_metric": spec.main_metric,
         "per_rank_step_time_s": per_rank_t,
