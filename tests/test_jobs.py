@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT
+from conftest import run_env, ROOT
 from hpcbert.jobs import submit
 from hpcbert.jobs.submit import PRESETS, JobSpec, render
 
@@ -422,3 +422,16 @@ def test_submit_without_the_scheduler_command_says_so(tmp_path, monkeypatch, cap
                      "--", *TRAIN])
     err = capsys.readouterr().err
     assert rc == 2 and "qsub not found" in err and (tmp_path / "hpcbert.pbs").exists()
+
+
+def test_slurm_signal_is_left_out_where_its_early_window_would_stop_the_job_at_once():
+    long = subprocess.run([sys.executable, "-m", "hpcbert.cli", "submit", "--scheduler", "slurm", "--nodes", "1",
+                           "--gpus-per-node", "0", "--walltime", "00:30:00", "--stop-margin", "120", "--dry-run",
+                           "--", "--task", "synthetic"], env=run_env(), capture_output=True, text=True)
+    short = subprocess.run([sys.executable, "-m", "hpcbert.cli", "submit", "--scheduler", "slurm", "--nodes", "1",
+                            "--gpus-per-node", "0", "--walltime", "00:01:00", "--stop-margin", "40", "--dry-run",
+                            "--", "--task", "synthetic"], env=run_env(), capture_output=True, text=True)
+    assert long.returncode == 0 and short.returncode == 0, long.stderr + short.stderr
+    assert "#SBATCH --signal=B:USR1@120\n" in long.stdout
+    assert "--signal" not in short.stdout.split("HPCBERT_KIT")[0]
+    assert "HPCBERT_JOB_DEADLINE=$(( $(date +%s) + 60 - 40 ))" in short.stdout

@@ -13,9 +13,11 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from conftest import ROOT
-from hpcbert.runfiles import read_summary
+from hpcbert.checkpoint import CheckpointManager
+from hpcbert.runfiles import read_metrics, read_summary
 from slurm_cluster import slurm_cluster  # noqa: F401  (the session fixture)
 
 pytestmark = [pytest.mark.slow, pytest.mark.root]
@@ -159,3 +161,46 @@ exit 3
     assert (tmp_path / "stopped").exists() and (tmp_path / "run" / "STOP").exists()
     assert "USR1" in (tmp_path / f"hpcbert-{job_id}.out").read_text()
     assert "#SBATCH --signal=B:USR1@90\n" in (tmp_path / "job.sbatch").read_text()
+
+
+def test_walltime_stop_then_resubmit_finishes_equal_to_an_uninterrupted_run(slurm_cluster, job_env, tmp_path):  # noqa: F811
+    """A 1-minute walltime job that needs longer stops itself at the job deadline (walltime - margin)
+    with a complete checkpoint and exit 0; submitting the same command again resumes and finishes; the
+    result equals an uninterrupted run of the same options (every loss, the final parameters)."""
+    train = ["--model", "bert-tiny", "--task", "synthetic", "--max-steps", "70", "--batch-size", "32",
+             "--threads", "1", "--log-every", "1", "--checkpoint-steps", "25", "--no-do-eval"]
+    run_dir = tmp_path / "run"
+    cmd = ["--scheduler", "slurm", "--nodes", "1", "--gpus-per-node", "0", "--procs-per-node", "2",
+           "--cpus-per-node", "2", "--walltime", "00:01:00", "--stop-margin", "40", "--out-script", "job.sbatch",
+           "--", *train, "--out", run_dir]
+    first = submit(cmd, job_env, tmp_path)
+    info = slurm_cluster.wait(first, timeout=120)
+    assert (info["JobState"], info["ExitCode"]) == ("COMPLETED", "0:0"), job_output(tmp_path)
+    s = read_summary(run_dir)
+    assert s["stopped_by"] == "job_deadline" and 0 < s["steps"] < 70, s["stopped_by"]
+    assert CheckpointManager(run_dir / "checkpoints").latest().step == s["steps"]
+
+    # The same command again, until the run is done (two jobs at this machine's usual speed; the
+    # bound only keeps a slow machine from looping).
+    for _ in range(4):
+        previous = s["steps"]
+        job = submit(cmd, job_env, tmp_path)
+        info = slurm_cluster.wait(job, timeout=120)
+        assert (info["JobState"], info["ExitCode"]) == ("COMPLETED", "0:0"), job_output(tmp_path)
+        s = read_summary(run_dir)
+        assert s["resumed_from_step"] == previous and s["steps"] > previous
+        if s["stopped_by"] == "max_steps":
+            break
+    assert (s["stopped_by"], s["steps"]) == ("max_steps", 70)
+
+    straight = tmp_path / "straight"
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                        "-m", "hpcbert.cli", "train", *train, "--out", str(straight)],
+                       env=dict(job_env), capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    def losses(d):
+        return [(m["step"], m["loss"]) for m in read_metrics(d)]
+    assert losses(run_dir) == losses(straight)
+    a = torch.load(run_dir / "checkpoints" / "step-00000070" / "shared.pt", weights_only=False)["model"]
+    b = torch.load(straight / "checkpoints" / "step-00000070" / "shared.pt", weights_only=False)["model"]
+    assert all(torch.equal(a[k], b[k]) for k in a)

@@ -216,15 +216,21 @@ def _train_lines(argv: list[str]) -> str:
     return "\n".join("  " + " ".join(words) for words in lines)
 
 
+SLURM_SIGNAL_EARLY_S = 60  # man sbatch: "the signal may be sent up to 60 seconds earlier than specified"
+
+
 def directives(spec: JobSpec) -> list[str]:
     if spec.scheduler == "slurm":
         d = [f"--job-name={spec.job_name}", f"--nodes={spec.nodes}", "--ntasks-per-node=1"]
         if spec.gpus_per_node:
             d.append(f"--gpus-per-node={spec.gpus_per_node}")
-        d += [f"--cpus-per-task={spec.cpus_per_node}", f"--time={spec.walltime}",
-              # USR1 to the batch shell only (B:), stop_margin s before the end; Slurm may send it up to
-              # 60 s earlier than asked.
-              f"--signal=B:USR1@{spec.stop_margin}"]
+        d += [f"--cpus-per-task={spec.cpus_per_node}", f"--time={spec.walltime}"]
+        # USR1 to the batch shell only (B:), stop_margin s before the end. Slurm may send it up to
+        # 60 s earlier than asked, so on a walltime that leaves less than that early window plus a
+        # minute of work it would stop every (re)submission at once: the job's own deadline
+        # (HPCBERT_JOB_DEADLINE, same walltime and margin) stops those runs instead.
+        if spec.walltime_s - spec.stop_margin >= SLURM_SIGNAL_EARLY_S + 60:
+            d.append(f"--signal=B:USR1@{spec.stop_margin}")
         if spec.queue:
             d.append(f"--partition={spec.queue}")
         if spec.account:
