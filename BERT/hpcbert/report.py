@@ -36,7 +36,7 @@ from typing import Any, Iterable, Sequence
 import numpy as np
 import pandas as pd
 
-from hpcbert.runfiles import RunDirError, read_metrics, read_summary
+from .runfiles import RunDirError, read_json_object, read_metrics, read_summary
 
 README_COMMAND = "hpcbert report {d}/ --format md --out {d}/README.md"
 MISSING = "—"  # how a null / unmeasured figure is shown in Markdown and HTML
@@ -188,12 +188,7 @@ def _read_run(d: Path) -> dict:
     cfg_path = d / "config.json"
     if not cfg_path.is_file():
         raise RunDirError(f"{d}: no config.json (the resolved config is needed to group seeds)")
-    try:
-        config = json.loads(cfg_path.read_text())
-    except json.JSONDecodeError as e:
-        raise RunDirError(f"{cfg_path}: not valid JSON ({e})") from e
-    if not isinstance(config, dict):
-        raise RunDirError(f"{cfg_path}: expected a JSON object")
+    config = read_json_object(cfg_path)
     _check_summary(d / "summary.json", summary)
     metrics = read_metrics(d)
     for i, rec in enumerate(metrics, 1):

@@ -130,18 +130,24 @@ class RunDirError(ValueError):
     """A directory that is not a readable hpcbert run; the message names the run and what is wrong."""
 
 
+def read_json_object(path: Path) -> dict[str, Any]:
+    """A JSON file holding one object; RunDirError names the file otherwise."""
+    try:
+        obj = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise RunDirError(f"{path}: not valid JSON ({e})") from e
+    if not isinstance(obj, dict):
+        raise RunDirError(f"{path}: expected a JSON object")
+    return obj
+
+
 def read_summary(run_dir: str | os.PathLike) -> dict[str, Any]:
     """Read and validate RUN_DIR/summary.json; RunDirError names the run and what is missing."""
     run_dir = Path(run_dir)
     path = run_dir / "summary.json"
     if not path.is_file():
         raise RunDirError(f"{run_dir}: not an hpcbert run (no summary.json)")
-    try:
-        summary = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise RunDirError(f"{path}: not valid JSON ({e})") from e
-    if not isinstance(summary, dict):
-        raise RunDirError(f"{path}: expected a JSON object")
+    summary = read_json_object(path)
     version = summary.get("schema_version")
     if version != SCHEMA_VERSION:
         raise RunDirError(f"{path}: schema_version {version!r} is not supported "
