@@ -78,3 +78,18 @@ def test_user_errors_exit_2_naming_the_field(tmp_path):
     r = hpcbert("train", "--task", "mrpc", "--data-dir", tmp_path / "nowhere", "--model", "bert-tiny",
                 "--out", tmp_path / "y")
     assert r.returncode == 2 and "nowhere" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_bench_runs_one_time_boxed_run_per_policy_and_prints_the_table(tmp_path):
+    out = tmp_path / "bench"
+    r = hpcbert("bench", "--model", "bert-tiny", "--policies", "none,all", "--time-budget", "9s",
+                "--synthetic-train-size", 256, "--synthetic-dev-size", 32, "--batch-size", 8, "--threads", 1,
+                "--out", out, timeout=200)
+    assert r.returncode == 0, r.stderr
+    for policy in ("none", "all"):
+        s = read_summary(out / policy)
+        assert s["grad_ckpt"] == policy and s["time_budget_s"] == 9 and s["steps_in_budget"] == s["steps"] > 0
+    rows = {line.split("|")[1].strip(): line for line in r.stdout.splitlines() if line.startswith("| ")}
+    assert {"none", "all"} <= set(rows) and "act_vs_none" in rows["run"]
+    assert (out / "report.html").stat().st_size > 10_000
+    assert read_summary(out / "all")["activation_bytes_per_sequence"] < read_summary(out / "none")["activation_bytes_per_sequence"]

@@ -693,10 +693,21 @@ def _results_readme(results_dir: str | os.PathLike) -> tuple[str, list[tuple[str
         table = build_table(subset, _auto_baseline(subset))
         tables.append(table)
         parts.append("\n" + render_markdown(table, number=number).rstrip("\n") + "\n")
+    others = sorted(p for p in results_dir.glob("*/README.md") if not is_run_dir(p.parent))
+    if others:  # measurements that benchmark scripts render themselves (not run directories)
+        parts.append("\n## Other measurements\n\n" + "".join(
+            f"- [`{name}/{p.parent.name}/`]({p.parent.name}/README.md): {_title(p)}\n" for p in others))
     parts.append("\n## Columns\n\n" + _glossary_md(tables))
     if skipped:
         parts.append("\n## Skipped runs\n\n" + "".join(f"- {reason}\n" for _, reason in skipped))
     return "".join(parts), skipped
+
+
+def _title(readme: Path) -> str:
+    for line in readme.read_text().splitlines():
+        if line.startswith("#"):
+            return line.lstrip("# ").strip()
+    return readme.parent.name
 
 
 def render_results_readme(results_dir: str | os.PathLike) -> str:

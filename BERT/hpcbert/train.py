@@ -86,14 +86,16 @@ class LoopResult:
 class Progress:
     """A one-line progress bar on a terminal; periodic plain log lines otherwise."""
 
-    def __init__(self, d: dist.Dist, total: int, every: int):
-        self.d, self.total, self.every = d, total, every
+    def __init__(self, d: dist.Dist, total: int, every: int, deadline: float | None = None):
+        self.d, self.total, self.every, self.deadline = d, total, every, deadline
         self.tty = d.is_main and sys.stderr.isatty()
 
     def update(self, step: int, loss: float, seq_per_s: float, elapsed: float) -> None:
         if not self.d.is_main:
             return
         eta = elapsed / step * (self.total - step)
+        if self.deadline is not None:  # the time box ends the run first
+            eta = max(0.0, min(eta, self.deadline - time.time()))
         line = f"step {step}/{self.total} loss {loss:.4f} {seq_per_s:.1f} seq/s eta {eta:.0f}s"
         if self.tty:
             filled = int(30 * step / self.total)
@@ -235,7 +237,7 @@ def _train(cfg: RunConfig, d: dist.Dist) -> dict:
 def _loop(cfg, d, model, raw, optimizer, scheduler, scaler, amp, train: Features, per_rank, global_batch,
           total_steps, stops: StopConditions, meter: meters.StepMeter, state: LoopState, writer, save) -> LoopResult:
     mcfg = raw.config
-    progress = Progress(d, total_steps, cfg.log_every)
+    progress = Progress(d, total_steps, cfg.log_every, stops.budget_deadline)
     pad_to = cfg.max_seq_length if cfg.pad_to_max_length else None
     order = lambda epoch: global_batches(epoch_order(train.lengths, cfg.sampler, cfg.seed, epoch, global_batch),  # noqa: E731
                                          global_batch)
