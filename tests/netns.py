@@ -51,9 +51,13 @@ def _ip(*args: str, check: bool = True) -> None:
 
 
 @contextlib.contextmanager
-def two_nodes(prefix: str = "hpcb", subnet: str = "10.211.0"):
-    n1 = Node(f"{prefix}-n1", f"{subnet}.1", f"{prefix}-v1")
-    n2 = Node(f"{prefix}-n2", f"{subnet}.2", f"{prefix}-v2")
+def two_nodes(prefix: str = "hpcb", subnet: str = "10.211.0", ifname: str | None = None):
+    """ifname: one interface name for both veth ends, given inside the namespaces (as on a real
+    cluster, where every node has its eth0/ib0), so one GLOO_SOCKET_IFNAME fits both nodes; default:
+    PREFIX-v1 and PREFIX-v2."""
+    n1 = Node(f"{prefix}-n1", f"{subnet}.1", ifname or f"{prefix}-v1")
+    n2 = Node(f"{prefix}-n2", f"{subnet}.2", ifname or f"{prefix}-v2")
+    created = (f"{prefix}-v1", f"{prefix}-v2")  # names in the root namespace, unique there
 
     def down() -> None:
         for n in (n1, n2):  # deleting a namespace removes its veth end, and with it the pair
@@ -63,9 +67,11 @@ def two_nodes(prefix: str = "hpcb", subnet: str = "10.211.0"):
     try:
         _ip("netns", "add", n1.ns)
         _ip("netns", "add", n2.ns)
-        _ip("link", "add", n1.ifname, "type", "veth", "peer", "name", n2.ifname)
-        for n in (n1, n2):
-            _ip("link", "set", n.ifname, "netns", n.ns)
+        _ip("link", "add", created[0], "type", "veth", "peer", "name", created[1])
+        for n, name in zip((n1, n2), created):
+            _ip("link", "set", name, "netns", n.ns)
+            if name != n.ifname:
+                _ip("-n", n.ns, "link", "set", name, "name", n.ifname)
             _ip("-n", n.ns, "addr", "add", f"{n.ip}/24", "dev", n.ifname)
             _ip("-n", n.ns, "link", "set", "lo", "up")
             _ip("-n", n.ns, "link", "set", n.ifname, "up")

@@ -136,12 +136,16 @@ SlurmdTimeout=60
 PartitionName=debug Nodes={self.host} Default=YES MaxTime=INFINITE State=UP
 """)
 
+    def _pidfiles(self) -> list[Path]:
+        """The daemons' PID files, in stopping order."""
+        return [self.base / "run" / f"slurmd-{self.host}.pid", self.base / "run" / "slurmctld.pid",
+                self.base / "munge" / "munged.pid"]
+
     def stop(self) -> None:
         """Cancel what still runs, then stop the daemons this cluster started (by their PID files)."""
         if (self.base / "run" / "slurmctld.pid").exists():
             self.run("scancel", "--user", "root", timeout=10)
-        for pidfile in (self.base / "run" / f"slurmd-{self.host}.pid", self.base / "run" / "slurmctld.pid",
-                        self.base / "munge" / "munged.pid"):
+        for pidfile in self._pidfiles():
             try:
                 pid = int(pidfile.read_text().strip())
                 os.kill(pid, signal.SIGTERM)
@@ -199,4 +203,176 @@ def slurm_cluster():
     finally:
         if cluster is not None:
             cluster.stop()
+        shutil.rmtree(base, ignore_errors=True)
+
+
+# --- two nodes: one slurmd in each of two network namespaces ---------------------------------------
+
+# Names and addresses of its own (tests/netns.py's other users take hpcb-n1/2 and 10.211.0.x), so
+# tests cannot collide. Both veth ends are called IFNAME inside their namespace, as a real cluster's
+# nodes all have their eth0/ib0: one GLOO_SOCKET_IFNAME exported with the job fits both nodes.
+TWO_NODE_NET = dict(prefix="hpcb-s", subnet="10.211.2", ifname="hpcb-eth0")
+TWO_NODE_NAMES = ("n1", "n2")
+
+
+@dataclass
+class TwoNodeSlurmCluster(SlurmCluster):
+    """slurmctld + slurmd `n1` in namespace 1, slurmd `n2` in namespace 2, one munged (a pathname unix
+    socket is reachable from every network namespace). Each slurmd runs as in hpc-lab NOTES 3.3: in
+    its own UTS namespace (hostname n1/n2, how slurmd finds its NodeName) and a private mount
+    namespace where BASE/etc/hosts (n1, n2 -> their addresses) is bound on /etc/hosts, so the job's
+    processes, which slurmd starts, resolve the node names; the host's /etc/hosts is untouched.
+    Clients must run in namespace 1 (slurmctld listens there): `run` does that, `prefix` is the
+    nsenter command for other programs (`hpcbert submit`)."""
+
+    nodes: tuple = ()
+
+    @property
+    def prefix(self) -> list[str]:
+        return self.nodes[0].prefix()
+
+    @property
+    def ifname(self) -> str:
+        return self.nodes[0].ifname
+
+    @classmethod
+    def start(cls, base: Path, nodes) -> "TwoNodeSlurmCluster":
+        host = socket.gethostname().split(".")[0]  # slurmctld runs in the host's UTS namespace
+        for d in ("etc", "state", "log", "run", "munge", "tmp", *(f"spool/{n}" for n in TWO_NODE_NAMES)):
+            (base / d).mkdir(parents=True, exist_ok=True)
+        base.chmod(0o755)
+        m = base / "munge"
+        m.chmod(0o755)
+        env = dict(os.environ, SLURM_CONF=str(base / "etc" / "slurm.conf"), TMPDIR=str(base / "tmp"))
+        cluster = cls(base, host, env, tuple(nodes))
+        try:
+            subprocess.run(["mungekey", "-c", "-k", m / "munge.key", "-b", "1024"], check=True)
+            subprocess.run(["munged", f"--key-file={m / 'munge.key'}", f"--socket={m / 'munge.socket.2'}",
+                            f"--pid-file={m / 'munged.pid'}", f"--log-file={m / 'munged.log'}",
+                            f"--seed-file={m / 'munged.seed'}"], check=True)
+            cluster._write_conf()
+            hosts = base / "etc" / "hosts"
+            hosts.write_text("127.0.0.1 localhost\n" +
+                             "".join(f"{n.ip} {name}\n" for n, name in zip(cluster.nodes, TWO_NODE_NAMES)))
+            # nsenter --net only: `ip netns exec` remounts /sys and slurmd's cgroup set-up then fails.
+            subprocess.run([*cluster.prefix, "slurmctld"], env=env, check=True, capture_output=True, text=True)
+            for n, name in zip(cluster.nodes, TWO_NODE_NAMES):
+                subprocess.run([*n.prefix(), "unshare", "--uts", "--mount", "--propagation", "private", "sh", "-c",
+                                f'mount --bind "$1" /etc/hosts && hostname {name} && exec slurmd', "sh", str(hosts)],
+                               env=env, check=True, capture_output=True, text=True)
+            deadline = time.time() + 30
+            while sorted(cluster.run("sinfo", "-h", "-N", "-o", "%N %t").stdout.split("\n")) != \
+                    ["", *(f"{name} idle" for name in TWO_NODE_NAMES)]:
+                if time.time() > deadline:
+                    sinfo = cluster.run("sinfo", "-N").stdout
+                    raise RuntimeError(f"the two Slurm nodes did not both become idle in 30 s:\n{sinfo}\n"
+                                       f"{cluster.logs()}")
+                time.sleep(0.3)
+        except subprocess.CalledProcessError as e:
+            cluster.stop()
+            raise RuntimeError(f"starting the two-node cluster: {e}\n{e.stderr or ''}\n{cluster.logs()}") from e
+        except BaseException:
+            cluster.stop()
+            raise
+        return cluster
+
+    def _write_conf(self) -> None:
+        b, m = self.base, self.base / "munge"
+        node_lines = "\n".join(f"NodeName={name} NodeAddr={n.ip} NodeHostname={name} CPUs=2 RealMemory=1000 "
+                               f"State=UNKNOWN" for n, name in zip(self.nodes, TWO_NODE_NAMES))
+        (b / "etc" / "slurm.conf").write_text(f"""\
+ClusterName=hpcberttest2
+SlurmctldHost={self.host}({self.nodes[0].ip})
+SlurmUser=root
+SlurmdUser=root
+AuthType=auth/munge
+CredType=cred/munge
+AuthInfo=socket={m}/munge.socket.2
+SlurmctldPort=6817
+SlurmdPort=6818
+StateSaveLocation={b}/state
+SlurmdSpoolDir={b}/spool/%n
+SlurmctldPidFile={b}/run/slurmctld.pid
+SlurmdPidFile={b}/run/slurmd-%n.pid
+SlurmctldLogFile={b}/log/slurmctld.log
+SlurmdLogFile={b}/log/slurmd-%n.log
+SlurmctldDebug=info
+SlurmdDebug=info
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+JobAcctGatherType=jobacct_gather/none
+AccountingStorageType=accounting_storage/none
+JobCompType=jobcomp/none
+MpiDefault=none
+SchedulerType=sched/backfill
+SelectType=select/cons_tres
+SelectTypeParameters=CR_Core
+ReturnToService=2
+KillWait={KILL_WAIT_S}
+OverTimeLimit=0
+MinJobAge=300
+InactiveLimit=0
+SlurmdTimeout=60
+{node_lines}
+PartitionName=two Nodes={','.join(TWO_NODE_NAMES)} Default=YES MaxTime=INFINITE State=UP
+""")
+
+    def _pidfiles(self) -> list[Path]:
+        return [*(self.base / "run" / f"slurmd-{name}.pid" for name in TWO_NODE_NAMES),
+                self.base / "run" / "slurmctld.pid", self.base / "munge" / "munged.pid"]
+
+    def stop(self) -> None:
+        """Cancel the jobs and let them end (KillWait) before the daemons go: with proctrack/linuxproc a
+        job step outlives its slurmd. Then whatever still runs in the namespaces (only what this cluster
+        started runs there) is killed by PID, so the namespaces can really go."""
+        if (self.base / "run" / "slurmctld.pid").exists():
+            try:
+                self.run("scancel", "--user", "root", timeout=10)
+                deadline = time.time() + KILL_WAIT_S + 5
+                while self.run("squeue", "-h", "-t", "PD,R,CG,S", timeout=10).stdout.strip() \
+                        and time.time() < deadline:
+                    time.sleep(0.3)
+            except subprocess.TimeoutExpired:
+                pass
+        super().stop()
+        for n in self.nodes:
+            pids = subprocess.run(["ip", "netns", "pids", n.ns], capture_output=True, text=True).stdout.split()
+            for pid in pids:
+                try:
+                    os.kill(int(pid), signal.SIGKILL)
+                except (ValueError, ProcessLookupError):
+                    pass
+
+    def run(self, *cmd, timeout: float = 30, **kw) -> subprocess.CompletedProcess:
+        kw.setdefault("env", self.env)
+        return subprocess.run([*self.prefix, *(str(c) for c in cmd)], capture_output=True, text=True,
+                              timeout=timeout, **kw)
+
+
+def two_node_unavailable() -> str | None:
+    from netns import unavailable_reason
+    reason = unavailable() or unavailable_reason()
+    if reason is None and shutil.which("unshare") is None:
+        reason = "unshare (util-linux) not installed"
+    return reason
+
+
+@pytest.fixture(scope="session")
+def slurm_two_nodes():
+    """A two-node Slurm cluster (n1, n2) in two network namespaces; see TwoNodeSlurmCluster."""
+    reason = two_node_unavailable()
+    if reason:
+        pytest.skip(reason)
+    from netns import two_nodes
+    base = Path(tempfile.mkdtemp(prefix="hpcbert-slurm2-"))
+    cluster = None
+    try:
+        with two_nodes(**TWO_NODE_NET) as nodes:  # deleted on the way out, whatever happened
+            try:
+                cluster = TwoNodeSlurmCluster.start(base, nodes)
+                yield cluster
+            finally:
+                if cluster is not None:
+                    cluster.stop()
+    finally:
         shutil.rmtree(base, ignore_errors=True)

@@ -93,3 +93,11 @@ def test_bench_runs_one_time_boxed_run_per_policy_and_prints_the_table(tmp_path)
     assert {"none", "all"} <= set(rows) and "act_vs_none" in rows["run"]
     assert (out / "report.html").stat().st_size > 10_000
     assert read_summary(out / "all")["activation_bytes_per_sequence"] < read_summary(out / "none")["activation_bytes_per_sequence"]
+
+
+def test_synthetic_task_is_learnable(tmp_path):
+    r = hpcbert("train", "--model", "bert-tiny", "--task", "synthetic", "--lr", "1e-3", "--epochs", 1,
+                "--batch-size", 32, "--synthetic-train-size", 2048, "--max-seq-length", 64, "--threads", 1,
+                "--out", tmp_path / "run")
+    assert r.returncode == 0, r.stderr
+    assert read_summary(tmp_path / "run")["eval"]["dev"]["accuracy"] >= 0.8  # chance is 0.5
