@@ -158,7 +158,10 @@ PartitionName=debug Nodes={self.host} Default=YES MaxTime=INFINITE State=UP
                     break
                 time.sleep(0.1)
             else:
-                os.kill(pid, signal.SIGKILL)
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:  # it ended after the last check
+                    pass
 
     # --- clients ---
     def run(self, *cmd, timeout: float = 30, **kw) -> subprocess.CompletedProcess:
@@ -334,14 +337,16 @@ PartitionName=two Nodes={','.join(TWO_NODE_NAMES)} Default=YES MaxTime=INFINITE 
                     time.sleep(0.3)
             except subprocess.TimeoutExpired:
                 pass
-        super().stop()
-        for n in self.nodes:
-            pids = subprocess.run(["ip", "netns", "pids", n.ns], capture_output=True, text=True).stdout.split()
-            for pid in pids:
-                try:
-                    os.kill(int(pid), signal.SIGKILL)
-                except (ValueError, ProcessLookupError):
-                    pass
+        try:
+            super().stop()
+        finally:
+            for n in self.nodes:
+                pids = subprocess.run(["ip", "netns", "pids", n.ns], capture_output=True, text=True).stdout.split()
+                for pid in pids:
+                    try:
+                        os.kill(int(pid), signal.SIGKILL)
+                    except (ValueError, ProcessLookupError):
+                        pass
 
     def run(self, *cmd, timeout: float = 30, **kw) -> subprocess.CompletedProcess:
         kw.setdefault("env", self.env)

@@ -35,7 +35,9 @@ def test_train_writes_a_self_describing_run_directory(tmp_path):
     assert s["model_is_random"] is True and "RANDOM weights" in r.stderr
     assert s["stopped_by"] == "max_steps" and s["time_budget_s"] is None and s["steps_in_budget"] is None
     assert s["steady_sequences_per_sec"] > 0 and s["tokens_per_sec"] <= s["padded_tokens_per_sec"]
-    assert s["activation_bytes_per_sequence"] > 0 and s["peak_memory_bytes"] > 0 and 0 < s["mfu"] < 1
+    assert s["activation_bytes_per_sequence"] > 0 and s["peak_memory_bytes"] > 0
+    assert s["mfu"] is None or 0 < s["mfu"] <= 1  # withheld when the peak measurement was disturbed
+    assert s["hardware"]["load_average_1m"] >= 0
     assert s["warmup_steps_excluded"] == 1 and "excluded" in s["throughput_method"]
     assert 0 <= s["eval"]["dev"]["accuracy"] <= 1 and s["main_metric"] == "accuracy"
     assert s["startup_s"] > 0 and s["train_s"] > 0

@@ -172,7 +172,9 @@ def cpu_name() -> str:
 
 def hardware(device: torch.device) -> dict:
     info = {"hostname": socket.gethostname(), "cpu": cpu_name(), "cores": os.cpu_count(),
-            "threads": torch.get_num_threads(), "device_type": device.type}
+            "threads": torch.get_num_threads(), "device_type": device.type,
+            # On a shared machine, the load while the run ended says how noisy its timings may be.
+            "load_average_1m": os.getloadavg()[0] if hasattr(os, "getloadavg") else None}
     if device.type == "cuda":
         info.update(device=torch.cuda.get_device_name(device), device_count=torch.cuda.device_count())
     else:

@@ -438,6 +438,11 @@ def _summary(cfg, d, src, raw, spec, precision, ckpt_layers, lr, per_rank, globa
         in_budget = (len(done), sum(meter.sequences[i] for i in done))
     wall = state.elapsed_s + (result.last_step_end - PROCESS_START)  # all segments, from process start
     mfu = steady["model_flops_per_sec"] / peak if (peak and steady["model_flops_per_sec"]) else None
+    if mfu is not None and mfu > 1:
+        # The run itself beat the measured "peak": other work slowed that measurement. No MFU
+        # rather than a wrong one.
+        peak_src += "; below the achieved model FLOP/s (machine busy while measuring): MFU withheld"
+        mfu = None
     return {
         "schema_version": SCHEMA_VERSION,
         "hpcbert_version": __version__,
