@@ -55,9 +55,12 @@ def test_time_budget_stops_the_run_and_counts_what_ran(tmp_path):
     assert r.returncode == 0, r.stderr
     s = read_summary(out)
     assert s["stopped_by"] == "time_budget" and s["time_budget_s"] == 9
-    assert s["steps"] > 0 and s["steps_in_budget"] == s["steps"]
-    assert s["sequences_in_budget"] == s["sequences"] == 8 * s["steps"]
-    assert s["startup_s"] + s["train_s"] <= 9.0  # the last step ended inside the box
+    # Training stops before a step predicted (median of recent steps) to end past the box, so every
+    # step ends inside it, unless the last one ran slower than predicted (a busy machine): then
+    # exactly that step is not counted.
+    inside = s["startup_s"] + s["train_s"] <= 9.0
+    assert s["steps"] > 1 and s["steps_in_budget"] == s["steps"] - (0 if inside else 1)
+    assert s["sequences_in_budget"] == 8 * s["steps_in_budget"] and s["sequences"] == 8 * s["steps"]
     assert wall < 9 + 15  # and the process did not run on (measured from outside)
 
 
