@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
 
 from conftest import minilm_available
 from hpcbert.data import synthetic

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from typing import Any
 
 GRAD_CKPT_HELP = "none | alternate (every second layer) | all | every:K (every K-th layer)"

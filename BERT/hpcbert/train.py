@@ -23,7 +23,7 @@ from .checkpoint import Checkpoint, CheckpointManager
 from .config import RESUMABLE_CHANGES, RunConfig
 from .data.features import Features, collate, epoch_order, global_batches, shard
 from .data.metrics import accuracy, compute_metrics
-from .data.tasks import TaskData, load_task_data
+from .data.tasks import load_task_data
 from .model import BertForSequenceClassification, flops_per_sequence, load_pretrained
 from .optim import make_optimizer, warmup_linear
 from .runfiles import SCHEMA_VERSION, MetricsWriter, write_json_atomic
@@ -158,8 +158,7 @@ def _train(cfg: RunConfig, d: dist.Dist) -> dict:
     per_rank = batching.per_rank_batches(
         cfg, d, lambda: batching.probe_max_batch(model, cfg.max_seq_length, amp, d.device), lambda m: log(d, m))
     bp = batching.plan(cfg, len(data.train), per_rank)
-    global_batch, steps_per_epoch, total_steps, warmup_steps, lr = (
-        bp.global_batch, bp.steps_per_epoch, bp.total_steps, bp.warmup_steps, bp.lr)
+    global_batch, total_steps, warmup_steps, lr = bp.global_batch, bp.total_steps, bp.warmup_steps, bp.lr
     log(d, f"{spec.name}: {bp.describe(len(data.train))}; precision {precision}; "
            f"grad_ckpt {cfg.grad_ckpt} (layers {ckpt_layers}); {d.world_size} process(es) on {d.nodes} node(s), "
            f"backend {d.backend or 'none'}, {d.threads} thread(s) each")
