@@ -690,7 +690,8 @@ def _results_readme(results_dir: str | os.PathLike) -> tuple[str, list[tuple[str
             parts.append(f"\n## {name}/{section + '/' if section else ''}\n")
         if subtitle:
             parts.append(f"\n### {subtitle}\n")
-        table = build_table(subset, _auto_baseline(subset))
+        several_policies = len({r["summary"]["grad_ckpt"] for r in subset}) > 1
+        table = build_table(subset, _auto_baseline(subset), policy_columns=several_policies)
         tables.append(table)
         parts.append("\n" + render_markdown(table, number=number).rstrip("\n") + "\n")
     others = sorted(p for p in results_dir.glob("*/README.md") if not is_run_dir(p.parent))
