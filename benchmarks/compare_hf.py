@@ -1,0 +1,1028 @@
+#!/usr/bin/env python
+"""hpcbert vs the Hugging Face Trainer: the same model, task and hyperparameters, in one benchmark.
+
+A measurement, not a test. Every figure it prints or writes comes from runs it starts itself; the
+tables in results/compare_hf/README.md are generated from the JSON files (`render`), never typed.
+
+    python benchmarks/compare_hf.py throughput [--steps 40 --repeats 2]   steady seq/s, both sides
+    python benchmarks/compare_hf.py accuracy   [--seeds 1,2,3 --epochs 3] MRPC dev F1 / accuracy
+    python benchmarks/compare_hf.py policies   [--repeats 3]              hpcbert checkpointing policies
+    python benchmarks/compare_hf.py render                                results/compare_hf/README.md
+
+Common settings (both sides): minilm-l6 (pretrained BertModel; the classification head is newly
+initialised on both sides), MRPC, max length 128, per-device batch 32, 2 threads, lr 2e-5, AdamW
+(betas 0.9/0.999, eps 1e-8), weight decay 0.01 (not on biases and LayerNorm weights), linear
+warm-up over round(0.1 x steps) steps then linear decay to 0, max grad norm 1.0, seed 42 (or the
+accuracy seeds). Every run (hpcbert or Trainer) is its own subprocess, so each starts clean.
+Nothing is downloaded: the model comes from `hpcbert.zoo.minilm_dir()`, the data from --data-dir,
+and the Hugging Face hubs are switched off (HF_HUB_OFFLINE, TRANSFORMERS_OFFLINE).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import platform
+import shlex
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+HPCBERT_SRC = {"path": str(ROOT / "BERT"), "rev": None}  # set by use_hpcbert() before anything imports hpcbert
+for _var in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE"):
+    os.environ[_var] = "1"
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+DEFAULT_DATA = "../shared/data/glue/MRPC"     # relative to the project root
+DEFAULT_RESULTS = ROOT / "results" / "compare_hf"
+DEFAULT_WORK = ROOT / "runs" / "compare_hf"   # hpcbert run directories, logs, Trainer scratch (git-ignored)
+TASK = "mrpc"
+MODEL = "minilm-l6"
+SEQ_LEN = 128
+BATCH = 32
+THREADS = 2
+LR = 2e-5
+WEIGHT_DECAY = 0.01
+WARMUP_RATIO = 0.1
+MAX_GRAD_NORM = 1.0
+ADAM_EPS = 1e-8
+SEED = 42
+EVAL_BATCH = 64
+
+# Checkpointing-policy targets: (max activation bytes vs none, max step time vs none).
+POLICY_TARGETS = {"alternate": (0.60, 1.20), "all": (0.25, 1.40)}
+POLICY_MODELS = {"minilm-l6": 32, "bert-base": 8}  # model -> per-device batch
+
+SPAN_NOTE = (
+    "Step span. hpcbert times a step from fetching its first batch (index lookup + collate) to the "
+    "end of the optimizer step (after zero_grad). The Trainer fetches and collates the step's "
+    "batches in `get_batch_samples` *before* it calls `on_step_begin`, so a callback's "
+    "on_step_begin -> on_step_end span leaves the batch fetch out. The HF figure in the main column "
+    "is therefore timed from the start of `get_batch_samples` (a Trainer subclass records it) to "
+    "`on_step_end` (after optimizer.step, lr_scheduler.step and zero_grad): the same span as "
+    "hpcbert's. The callback-only figure is shown beside it. Both spans also hold the Trainer's "
+    "per-step bookkeeping (NaN check of the loss, FLOP and token counting), which is part of its cost."
+)
+
+
+# ----------------------------------------------------------------------------------------------
+# helpers
+# ----------------------------------------------------------------------------------------------
+
+def say(msg: str) -> None:
+    print(f"[compare_hf {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def write_json(path: Path, obj) -> None:
+    from hpcbert.runfiles import write_json_atomic
+    write_json_atomic(path, obj)
+
+
+def read_json(path: Path):
+    return json.loads(Path(path).read_text())
+
+
+def glue_root(data_dir: str) -> Path:
+    """--data-dir may be the MRPC folder (the default) or the GLUE directory holding MRPC/.
+    Returns the GLUE directory (what hpcbert's --data-dir expects)."""
+    p = Path(data_dir).expanduser()
+    if not p.is_absolute():
+        p = (Path.cwd() / p) if (Path.cwd() / p).exists() else (ROOT / p)
+    p = p.resolve()
+    if (p / "train.tsv").is_file() and (p / "dev.tsv").is_file():
+        return p.parent if p.name == "MRPC" else _bad_data(p, "holds train.tsv but is not named MRPC; "
+                                                          "pass the GLUE directory that contains MRPC/")
+    if (p / "MRPC" / "train.tsv").is_file() and (p / "MRPC" / "dev.tsv").is_file():
+        return p
+    _bad_data(p, "does not exist" if not p.exists() else "has no MRPC train.tsv/dev.tsv")
+
+
+def _bad_data(p: Path, why: str):
+    sys.exit(f"compare_hf: MRPC data not found: {p} {why}. Pass --data-dir pointing at the MRPC folder "
+             f"(train.tsv, dev.tsv) or at a GLUE directory containing MRPC/ (default: {DEFAULT_DATA}, "
+             f"relative to the project root {ROOT}).")
+
+
+def _git(*args: str) -> str | None:
+    try:
+        out = subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout.strip() if out.returncode == 0 else None
+
+
+def use_hpcbert(rev: str | None) -> None:
+    """Which hpcbert the runs use: this checkout's BERT/ (rev None), or the tree of commit `rev`,
+    extracted read-only with `git archive` outside the repository, so that edits made to the working
+    tree while a long benchmark runs cannot change the code under measurement half-way."""
+    if rev is None:
+        status = _git("status", "--porcelain", "--untracked-files=no", "--", "BERT")
+        HPCBERT_SRC.update(path=str(ROOT / "BERT"), rev=None, commit=_git("rev-parse", "HEAD"),
+                           note="working tree" + (" with uncommitted changes under BERT/" if status else ""))
+    else:
+        sha = _git("rev-parse", "--verify", f"{rev}^{{commit}}")
+        if not sha:
+            sys.exit(f"compare_hf: --hpcbert-rev {rev!r} is not a commit of {ROOT}")
+        dest = Path(os.environ.get("TMPDIR", "/tmp")) / f"compare_hf-hpcbert-{sha[:12]}"
+        if not (dest / "BERT" / "hpcbert" / "__init__.py").is_file():
+            dest.mkdir(parents=True, exist_ok=True)
+            archive = subprocess.run(["git", "-C", str(ROOT), "archive", "--format=tar", sha, "BERT"],
+                                     capture_output=True, check=True).stdout
+            subprocess.run(["tar", "-x", "-C", str(dest)], input=archive, check=True)
+        HPCBERT_SRC.update(path=str(dest / "BERT"), rev=rev, commit=sha, note=f"commit {sha[:12]} ({rev})")
+    sys.path.insert(0, HPCBERT_SRC["path"])
+
+
+def native_bf16() -> bool:
+    import torch
+    from hpcbert.policies import device_has_native_bf16
+    return device_has_native_bf16(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+
+
+def machine_info(threads: int) -> dict:
+    import torch
+    from hpcbert.meters import cpu_name
+    info = {"cpu": cpu_name(), "cores": os.cpu_count(), "threads": threads, "python": platform.python_version(),
+            "torch": torch.__version__, "native_bf16": native_bf16(), "hostname": platform.node(),
+            "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
+    for mod in ("transformers", "accelerate", "datasets", "tokenizers"):
+        try:
+            info[mod] = __import__(mod).__version__
+        except ImportError:
+            info[mod] = None
+    info["hpcbert_source"] = dict(HPCBERT_SRC)
+    info["git_commit"] = HPCBERT_SRC.get("commit")
+    return info
+
+
+def command_line() -> str:
+    nice = os.nice(0)
+    prefix = f"nice -n {nice} " if nice > 0 else ""
+    return prefix + "python benchmarks/compare_hf.py " + shlex.join(sys.argv[1:])
+
+
+def header(kind: str, threads: int) -> dict:
+    return {"kind": kind, "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            "command": command_line(), "machine": machine_info(threads)}
+
+
+def child_env(threads: int) -> dict:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = HPCBERT_SRC["path"] + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env["OMP_NUM_THREADS"] = str(threads)  # the same on both sides; each also sets torch threads itself
+    return env
+
+
+def _cpu_busy_s() -> float:
+    """CPU seconds the whole machine has spent busy since boot (all cores, from /proc/stat)."""
+    with open("/proc/stat") as f:
+        v = [int(x) for x in f.readline().split()[1:9]]
+    user, nice, system, _idle, _iowait, irq, softirq, steal = v
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
+def _own_cpu_s() -> float:
+    """CPU seconds of this process and its finished children (the runs it started)."""
+    import resource
+    return sum(r.ru_utime + r.ru_stime for r in (resource.getrusage(resource.RUSAGE_SELF),
+                                                   resource.getrusage(resource.RUSAGE_CHILDREN)))
+
+
+def other_cores(seconds: float) -> float:
+    """Cores kept busy by other work over the next `seconds` (this process idles meanwhile)."""
+    b0, o0, t0 = _cpu_busy_s(), _own_cpu_s(), time.perf_counter()
+    time.sleep(seconds)
+    return max(0.0, (_cpu_busy_s() - b0 - (_own_cpu_s() - o0)) / (time.perf_counter() - t0))
+
+
+def wait_quiet(max_wait_s: float, threshold: float = 0.3, sample_s: float = 5.0) -> tuple[float, float | None]:
+    """Before a timed run: wait until other work uses < `threshold` cores (sampled over `sample_s`),
+    at most `max_wait_s`. Returns (seconds waited, other cores at the last sample)."""
+    if max_wait_s <= 0:
+        return 0.0, None
+    t0 = time.perf_counter()
+    while True:
+        busy = other_cores(sample_s)
+        waited = time.perf_counter() - t0
+        if busy < threshold or waited >= max_wait_s:
+            if busy >= threshold:
+                say(f"machine still busy ({busy:.2f} other cores) after waiting {waited:.0f} s; running anyway")
+            return waited, busy
+        say(f"other work uses {busy:.2f} cores; waiting for a quieter machine ({waited:.0f}/{max_wait_s:.0f} s)")
+        time.sleep(10)
+
+
+def measured(run_once, a) -> dict:
+    """Run a timed run; while other work kept more than --noisy cores busy during it (on average),
+    run it again (at most --retries times). Discarded attempts are kept in the record."""
+    discarded = []
+    for attempt in range(1 + a.retries):
+        rec = run_once()
+        busy = rec["noise"]["other_cores_during"]
+        if busy <= a.noisy or attempt == a.retries:
+            break
+        say(f"  other work kept {busy:.2f} cores busy during the run (> {a.noisy}); discarded, running it again")
+        discarded.append({"steady_sequences_per_sec": rec.get("steady_sequences_per_sec"),
+                          "steady_step_time_s": rec.get("steady_step_time_s"), "noise": rec["noise"]})
+    rec["discarded_attempts"] = discarded
+    return rec
+
+
+def run_logged(cmd: list[str], log: Path, threads: int, max_wait_s: float = 0.0) -> dict:
+    """Run `cmd` from the project root with output to `log`; on failure show the log's tail and stop.
+    Returns noise measurements: the wait for a quiet machine, and the cores other work kept busy
+    during the run (machine busy CPU time minus the run's own, over the run's wall time)."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    waited, before = wait_quiet(max_wait_s)
+    b0, o0, t0 = _cpu_busy_s(), _own_cpu_s(), time.perf_counter()
+    with open(log, "w") as f:
+        f.write("$ " + shlex.join(cmd) + "\n")
+        f.flush()
+        proc = subprocess.run(cmd, cwd=ROOT, env=child_env(threads), stdout=f, stderr=subprocess.STDOUT)
+    wall = time.perf_counter() - t0
+    if proc.returncode != 0:
+        tail = log.read_text().splitlines()[-40:]
+        sys.exit(f"compare_hf: command failed (exit {proc.returncode}), log {log}:\n" + "\n".join(tail))
+    other = max(0.0, (_cpu_busy_s() - b0 - (_own_cpu_s() - o0)) / wall)
+    return {"waited_for_quiet_s": waited, "other_cores_before": before, "other_cores_during": other, "wall_s": wall}
+
+
+def fresh_dir(path: Path) -> Path:
+    """Remove a previous run directory of ours (hpcbert appends to metrics.jsonl)."""
+    if path.exists():
+        shutil.rmtree(path)
+    return path
+
+
+def warmup_steps(total_steps: int) -> int:
+    """hpcbert's rule (train.py): round(warmup_ratio x steps); given to the Trainer as an integer."""
+    return round(WARMUP_RATIO * total_steps)
+
+
+def steps_per_epoch(n_train: int, batch: int = BATCH) -> int:
+    return math.ceil(n_train / batch)
+
+
+# ----------------------------------------------------------------------------------------------
+# one hpcbert run (subprocess)
+# ----------------------------------------------------------------------------------------------
+
+def hpcbert_run(name: str, work: Path, threads: int, args: list[str], max_wait_s: float = 0.0) -> dict:
+    out = fresh_dir(work / "hpcbert" / name)
+    cmd = [sys.executable, "-m", "hpcbert.cli", "train", *args, "--threads", str(threads), "--out", str(out)]
+    say(f"hpcbert {name}: {shlex.join(args)}")
+    noise = run_logged(cmd, work / "logs" / f"hpcbert-{name}.log", threads, max_wait_s)
+    from hpcbert.runfiles import read_summary
+    s = read_summary(out)
+    s["_noise"] = noise
+    s["_wall_s"] = noise["wall_s"]
+    s["_run_dir"] = str(out)
+    s["_argv"] = ["hpcbert", "train", *args, "--threads", str(threads)]
+    return s
+
+
+def hpcbert_mrpc_args(glue: Path, precision: str, seed: int, max_steps: int | None = None,
+                      epochs: float | None = None, sampler: str | None = None, do_eval: bool = False,
+                      warmup_excluded: int | None = None, log_every: int | None = None) -> list[str]:
+    a = ["--task", TASK, "--data-dir", str(glue), "--model", MODEL, "--max-seq-length", str(SEQ_LEN),
+         "--batch-size", str(BATCH), "--lr", str(LR), "--optimizer", "adamw", "--weight-decay", str(WEIGHT_DECAY),
+         "--warmup-ratio", str(WARMUP_RATIO), "--max-grad-norm", str(MAX_GRAD_NORM), "--precision", precision,
+         "--seed", str(seed), "--eval-batch-size", str(EVAL_BATCH)]
+    if max_steps is not None:
+        a += ["--max-steps", str(max_steps)]
+    if epochs is not None:
+        a += ["--epochs", str(epochs)]
+    if sampler is not None:
+        a += ["--sampler", sampler]
+    a += ["--do-eval" if do_eval else "--no-do-eval"]
+    if warmup_excluded is not None:
+        a += ["--warmup-steps-excluded", str(warmup_excluded)]
+    if log_every is not None:
+        a += ["--log-every", str(log_every)]
+    return a
+
+
+def hpcbert_record(s: dict) -> dict:
+    """The fields of an hpcbert summary this benchmark reports, plus per-step times and sequences
+    from metrics.jsonl when the run logged every step (--log-every 1)."""
+    from hpcbert.runfiles import read_metrics
+    seq_s = s["steady_sequences_per_sec"]
+    m = read_metrics(s["_run_dir"])
+    per_step = len(m) == s["steps"] and [r["step"] for r in m] == list(range(1, s["steps"] + 1))
+    return {
+        "step_times": [r["step_time_s"] for r in m] if per_step else None,
+        "step_sequences": [round(r["sequences_per_sec"] * r["step_time_s"]) for r in m] if per_step else None,
+        "step_real_tokens": [round(r["tokens_per_sec"] * r["step_time_s"]) for r in m] if per_step else None,
+        "steady_sequences_per_sec": seq_s,
+        "padded_tokens_per_seq": (s["padded_tokens_per_sec"] / seq_s) if seq_s else None,
+        "real_tokens_per_seq": (s["tokens_per_sec"] / seq_s) if seq_s else None,
+        "steady_step_time_s": s["steady_step_time_s"],
+        "mean_step_time_s": 1.0 / s["steady_steps_per_sec"] if s["steady_steps_per_sec"] else None,
+        "steps": s["steps"], "warmup_steps_excluded": s["warmup_steps_excluded"], "precision": s["precision"],
+        "activation_bytes_per_sequence": s["activation_bytes_per_sequence"], "grad_ckpt": s["grad_ckpt"],
+        "eval": s["eval"], "final_loss": s["final_loss"], "threads": s["hardware"]["threads"],
+        "wall_s": s["_wall_s"], "noise": s["_noise"], "run_dir": os.path.relpath(s["_run_dir"], ROOT), "argv": s["_argv"],
+    }
+
+
+# ----------------------------------------------------------------------------------------------
+# one Trainer run (subprocess: this script's hidden `_hf-worker` command)
+# ----------------------------------------------------------------------------------------------
+
+def hf_run(name: str, work: Path, threads: int, glue: Path, out_json: Path, *, padding: str, precision: str,
+           seed: int, max_steps: int | None = None, epochs: float = 3.0, do_eval: bool = False,
+           warmup_excluded: int = 5, optim: str | None = None, max_wait_s: float = 0.0) -> dict:
+    cmd = [sys.executable, str(Path(__file__).resolve()), "_hf-worker", "--data-dir", str(glue),
+           "--out", str(out_json), "--scratch", str(work / "hf-scratch" / name), "--padding", padding,
+           "--precision", precision, "--seed", str(seed), "--threads", str(threads), "--epochs", str(epochs),
+           "--warmup-steps-excluded", str(warmup_excluded)]
+    if max_steps is not None:
+        cmd += ["--max-steps", str(max_steps)]
+    if do_eval:
+        cmd += ["--do-eval"]
+    if optim:
+        cmd += ["--optim", optim]
+    say(f"trainer {name}: padding={padding} precision={precision} seed={seed} "
+        f"{'max_steps=' + str(max_steps) if max_steps else 'epochs=' + str(epochs)}")
+    noise = run_logged(cmd, work / "logs" / f"hf-{name}.log", threads, max_wait_s)
+    r = read_json(out_json)
+    r["wall_s"] = noise["wall_s"]
+    r["noise"] = noise
+    return r
+
+
+def hf_worker(argv: list[str]) -> int:
+    """Fine-tune with transformers.Trainer as run_glue.py does and write one JSON of measurements."""
+    p = argparse.ArgumentParser(prog="compare_hf.py _hf-worker")
+    p.add_argument("--data-dir", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--scratch", required=True)
+    p.add_argument("--padding", choices=("max_length", "dynamic"), required=True)
+    p.add_argument("--precision", choices=("fp32", "bf16"), required=True)
+    p.add_argument("--seed", type=int, default=SEED)
+    p.add_argument("--threads", type=int, default=THREADS)
+    p.add_argument("--max-steps", type=int, default=None)
+    p.add_argument("--epochs", type=float, default=3.0)
+    p.add_argument("--warmup-steps-excluded", type=int, default=5)
+    p.add_argument("--do-eval", action="store_true")
+    p.add_argument("--optim", default=None, help="TrainingArguments.optim (default: the Trainer's own default)")
+    a = p.parse_args(argv)
+    t_process = time.perf_counter()
+
+    import numpy as np
+    import torch
+    import datasets
+    import transformers
+    from transformers import (AutoModelForSequenceClassification, AutoTokenizer, DataCollatorWithPadding, Trainer,
+                              TrainerCallback, TrainingArguments, default_data_collator)
+
+    from hpcbert.data.glue import read_split
+    from hpcbert.data.metrics import accuracy, f1_binary
+    from hpcbert.zoo import minilm_dir
+
+    torch.set_num_threads(a.threads)
+    datasets.disable_progress_bars()
+    model_dir = str(minilm_dir())
+    train_ex = read_split(a.data_dir, TASK, "train")
+    dev_ex = read_split(a.data_dir, TASK, "dev")
+
+    # Tokenise as run_glue.py: tokenizer(*pairs, padding=..., max_length=128, truncation=True);
+    # padding="max_length" for its default pad_to_max_length=True, else no padding + DataCollatorWithPadding.
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    pad = "max_length" if a.padding == "max_length" else False
+
+    def to_dataset(examples):
+        ds = datasets.Dataset.from_dict({"sentence1": [e.text_a for e in examples],
+                                         "sentence2": [e.text_b for e in examples],
+                                         "label": [int(e.label) for e in examples]})
+        return ds.map(lambda b: tok(b["sentence1"], b["sentence2"], padding=pad, max_length=SEQ_LEN,
+                                    truncation=True), batched=True, keep_in_memory=True)
+
+    train_ds, dev_ds = to_dataset(train_ex), to_dataset(dev_ex)
+    collator = default_data_collator if a.padding == "max_length" else DataCollatorWithPadding(tok)
+
+    transformers.set_seed(a.seed)  # the new classifier head is drawn from this seed
+    model = AutoModelForSequenceClassification.from_pretrained(model_dir, num_labels=2)
+    total = a.max_steps or math.ceil(a.epochs * steps_per_epoch(len(train_ds)))
+    warm = warmup_steps(total)
+    kwargs = dict(
+        output_dir=a.scratch, per_device_train_batch_size=BATCH, per_device_eval_batch_size=EVAL_BATCH,
+        learning_rate=LR, weight_decay=WEIGHT_DECAY, adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=ADAM_EPS,
+        max_grad_norm=MAX_GRAD_NORM, lr_scheduler_type="linear", warmup_steps=warm,
+        num_train_epochs=a.epochs, max_steps=a.max_steps if a.max_steps else -1,
+        eval_strategy="no", save_strategy="no", report_to="none", dataloader_num_workers=0,
+        seed=a.seed, bf16=a.precision == "bf16", logging_strategy="steps", logging_steps=10, disable_tqdm=True,
+        gradient_accumulation_steps=1,
+    )
+    if a.optim:
+        kwargs["optim"] = a.optim
+    args = TrainingArguments(**kwargs)
+    torch.set_num_threads(a.threads)  # after anything that might have touched it
+
+    class StepTimer(TrainerCallback):
+        def __init__(self):
+            self.begin, self.end, self.threads = [], [], None
+
+        def on_train_begin(self, args, state, control, **kw):
+            self.threads = torch.get_num_threads()
+
+        def on_step_begin(self, args, state, control, **kw):
+            self.begin.append(time.perf_counter())
+
+        def on_step_end(self, args, state, control, **kw):
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()  # hpcbert's step ends on a sync point (float(loss))
+            self.end.append(time.perf_counter())
+
+    class TimedTrainer(Trainer):
+        """Records when each step's batch fetch starts, and the batches' shapes (training only)."""
+        def __init__(self, *args, **kw):
+            super().__init__(*args, **kw)
+            self.fetch_start, self.shapes, self.real_tokens = [], [], []
+
+        def get_batch_samples(self, epoch_iterator, num_batches, device):
+            t = time.perf_counter()
+            batches, n = super().get_batch_samples(epoch_iterator, num_batches, device)
+            if batches:
+                self.fetch_start.append(t)
+                self.shapes.append([tuple(b["input_ids"].shape) for b in batches])
+                self.real_tokens.append(sum(int(b["attention_mask"].sum()) for b in batches))
+            return batches, n
+
+    timer = StepTimer()
+    trainer = TimedTrainer(model=model, args=args, train_dataset=train_ds, data_collator=collator,
+                           processing_class=tok, callbacks=[timer])
+    t_train = time.perf_counter()
+    train_out = trainer.train()
+    t_done = time.perf_counter()
+
+    n = len(timer.end)
+    assert len(timer.begin) == n and len(trainer.fetch_start) >= n, (len(timer.begin), n, len(trainer.fetch_start))
+    w = min(a.warmup_steps_excluded, max(0, n - 1))
+    full = [timer.end[i] - trainer.fetch_start[i] for i in range(n)]
+    cb = [timer.end[i] - timer.begin[i] for i in range(n)]
+    seqs = [sum(s[0] for s in trainer.shapes[i]) for i in range(n)]
+    padded = [sum(s[0] * s[1] for s in trainer.shapes[i]) for i in range(n)]
+    steady_seqs = sum(seqs[w:])
+    result = {
+        "side": "transformers.Trainer",
+        "padding": a.padding, "precision": a.precision, "seed": a.seed,
+        "optim": str(args.optim.value if hasattr(args.optim, "value") else args.optim),
+        "attn_implementation": getattr(model.config, "_attn_implementation", None),
+        "warmup_steps": warm, "total_steps": total, "steps": n, "warmup_steps_excluded": w,
+        "threads": timer.threads,
+        "steady_sequences_per_sec": steady_seqs / sum(full[w:]) if n > w else None,
+        "callback_sequences_per_sec": steady_seqs / sum(cb[w:]) if n > w else None,
+        "padded_tokens_per_seq": sum(padded[w:]) / steady_seqs if n > w else None,
+        "real_tokens_per_seq": sum(trainer.real_tokens[w:n]) / steady_seqs if n > w else None,
+        "steady_step_time_s": float(np.median(full[w:])) if n > w else None,
+        "step_times": full, "callback_step_times": cb, "step_sequences": seqs, "step_padded_tokens": padded,
+        "step_real_tokens": trainer.real_tokens[:n],
+        "startup_s": t_train - t_process, "train_s": t_done - t_train,
+        "train_loss": train_out.training_loss,
+        "final_loss": next((h["loss"] for h in reversed(trainer.state.log_history) if "loss" in h), None),
+        "eval": {},
+    }
+    if a.do_eval:
+        pred = trainer.predict(dev_ds)
+        preds = np.argmax(pred.predictions, axis=-1)
+        labels = np.asarray(dev_ds["label"])
+        result["eval"] = {"dev": {"f1": f1_binary(preds, labels), "accuracy": accuracy(preds, labels)}}
+    write_json(Path(a.out), result)
+    return 0
+
+
+# ----------------------------------------------------------------------------------------------
+# throughput
+# ----------------------------------------------------------------------------------------------
+
+def cmd_throughput(a) -> int:
+    glue = glue_root(a.data_dir)
+    results, work = Path(a.results_dir), Path(a.work_dir)
+    matched = a.matched_precision or ("bf16" if native_bf16() else "fp32")
+    why = ("given with --matched-precision" if a.matched_precision else
+           f"default: this device {'has' if native_bf16() else 'lacks'} native bf16 "
+           "(torch.ops.mkldnn._is_mkldnn_bf16_supported() on CPU)")
+    w, steps = a.warmup_excluded, a.steps
+    say(f"matched precision: {matched} ({why})")
+    doc = header("throughput", a.threads)
+    doc["settings"] = {"steps": steps, "warmup_steps_excluded": w, "repeats": a.repeats, "batch_size": BATCH,
+                       "max_seq_length": SEQ_LEN, "threads": a.threads, "matched_precision": matched,
+                       "matched_precision_reason": why, "seed": SEED, "data_dir": a.data_dir,
+                       "lr_warmup_steps": warmup_steps(steps)}
+    doc["notes"] = [SPAN_NOTE, noise_note(a)]
+    doc["settings"].update(wait_quiet_s=a.wait_quiet, noisy_cores=a.noisy, retries=a.retries)
+    doc["runs"] = []
+    plan = [  # (comparison, side, label, how)
+        ("defaults", "hpcbert", "hpcbert defaults (precision auto, dynamic padding, length-grouped sampler)",
+         dict(precision="auto", sampler=None)),
+        ("defaults", "hf", "Trainer, run_glue defaults (pad to 128, fp32)", dict(padding="max_length", precision="fp32")),
+        ("matched", "hpcbert", f"hpcbert {matched}, dynamic padding, length-grouped sampler",
+         dict(precision=matched, sampler="length-grouped")),
+        ("matched", "hf", f"Trainer {matched}, dynamic padding (DataCollatorWithPadding)",
+         dict(padding="dynamic", precision=matched)),
+        ("matched", "hpcbert", f"hpcbert {matched}, dynamic padding, random sampler",
+         dict(precision=matched, sampler="random")),
+    ]
+    for rep in range(1, a.repeats + 1):  # interleaved: every configuration once per repeat, A/B/A/B
+        for comparison, side, label, how in plan:
+            key = f"{comparison}-{side}" + (f"-{how['sampler']}" if side == "hpcbert" and how.get("sampler") else "")
+            name = f"tp-{key}-r{rep}"
+            if side == "hpcbert":
+                rec = measured(lambda: hpcbert_record(hpcbert_run(
+                    name, work, a.threads, hpcbert_mrpc_args(glue, how["precision"], SEED, max_steps=steps,
+                                                             sampler=how["sampler"], warmup_excluded=w,
+                                                             log_every=1),
+                    a.wait_quiet)), a)
+                rec.update(sampler=how["sampler"] or "length-grouped (default)", padding="dynamic")
+            else:
+                rec = measured(lambda: hf_run(
+                    name, work, a.threads, glue, work / "hf-json" / f"{name}.json", padding=how["padding"],
+                    precision=how["precision"], seed=SEED, max_steps=steps, warmup_excluded=w, optim=a.hf_optim,
+                    max_wait_s=a.wait_quiet), a)
+                rec.update(sampler="random (Trainer default)")
+            rec.update(repeat=rep, comparison=comparison, side=side, key=key, label=label)
+            doc["runs"].append(rec)
+            say(f"  {name}: {rec['steady_sequences_per_sec']:.2f} seq/s "
+                f"(other work: {rec['noise']['other_cores_during']:.2f} cores)")
+            doc["summary"] = throughput_summary(doc)
+            write_json(results / "throughput.json", doc)  # after every run: partial results survive
+    print(render_throughput(doc))
+    return 0
+
+
+def throughput_summary(doc: dict) -> list[dict]:
+    """Per comparison and hpcbert variant: seq/s per repeat, median, and the median of per-repeat ratios."""
+    runs = doc["runs"]
+    out = []
+    for comparison in ("defaults", "matched"):
+        hf = {r["repeat"]: r for r in runs if r["comparison"] == comparison and r["side"] == "hf"}
+        keys = list(dict.fromkeys(r["key"] for r in runs if r["comparison"] == comparison and r["side"] == "hpcbert"))
+        for key in keys:
+            hp = {r["repeat"]: r for r in runs if r["key"] == key}
+            reps = sorted(set(hp) & set(hf))
+            if not reps:
+                continue
+            ratios = [hp[i]["steady_sequences_per_sec"] / hf[i]["steady_sequences_per_sec"] for i in reps]
+            ratios_cb = [hp[i]["steady_sequences_per_sec"] / hf[i]["callback_sequences_per_sec"] for i in reps]
+            out.append({
+                "comparison": comparison, "hpcbert": key, "hpcbert_label": hp[reps[0]]["label"],
+                "hf_label": hf[reps[0]]["label"], "repeats": reps,
+                "hpcbert_seq_s": [hp[i]["steady_sequences_per_sec"] for i in reps],
+                "hf_seq_s": [hf[i]["steady_sequences_per_sec"] for i in reps],
+                "hf_callback_seq_s": [hf[i]["callback_sequences_per_sec"] for i in reps],
+                "ratios": ratios, "ratio_median": statistics.median(ratios),
+                "ratio_callback_median": statistics.median(ratios_cb),
+                "hpcbert_padded_tokens_per_seq": statistics.mean(hp[i]["padded_tokens_per_seq"] for i in reps),
+                "hf_padded_tokens_per_seq": statistics.mean(hf[i]["padded_tokens_per_seq"] for i in reps),
+                "hpcbert_precision": hp[reps[0]]["precision"], "hf_precision": hf[reps[0]]["precision"],
+            })
+            hp_best, hp_same = best_of_repeats([hp[i] for i in reps])
+            hf_best, hf_same = best_of_repeats([hf[i] for i in reps])
+            out[-1].update(hpcbert_best_seq_s=hp_best, hf_best_seq_s=hf_best, hpcbert_same_batches=hp_same,
+                           hf_same_batches=hf_same,
+                           ratio_best=(hp_best / hf_best) if (hp_best and hf_best) else None)
+    return out
+
+
+def best_of_repeats(runs: list[dict]) -> tuple[float | None, bool | None]:
+    """Steady seq/s from the fastest time of each step over the repeats (sum of per-step minima).
+
+    With the same seed every repeat trains on the same batches in the same order, so step i does the
+    same work in every repeat and its fastest time is the best estimate of its time without other
+    work on the machine (contention only ever adds time). Returns (seq/s, whether the repeats' per-step
+    token counts agree, i.e. the batches really were the same)."""
+    if not runs or any(not r.get("step_times") for r in runs):
+        return None, None
+    n = min(len(r["step_times"]) for r in runs)
+    w = runs[0]["warmup_steps_excluded"]
+    if n <= w:
+        return None, None
+    best = [min(r["step_times"][i] for r in runs) for i in range(w, n)]
+    seqs = sum(runs[0]["step_sequences"][w:n])
+    same = all(r["step_real_tokens"][:n] == runs[0]["step_real_tokens"][:n] for r in runs)
+    return seqs / sum(best), same
+
+
+def noise_note(a) -> str:
+    return (f"Noise control (this machine is shared): before each run the script waits up to {a.wait_quiet:g} s "
+            f"until other processes use < 0.3 cores; a run during which other work kept > {a.noisy:g} cores busy "
+            f"on average is discarded and run again (at most {a.retries} times), and the last attempt is kept "
+            f"whatever its noise.")
+
+
+def load_line(runs: list[dict], threads: int) -> str:
+    """How much other work shared the machine during the runs (the main source of noise here)."""
+    during = [r["noise"]["other_cores_during"] for r in runs if r.get("noise")]
+    if not during:
+        return ""
+    waited = sum(r["noise"]["waited_for_quiet_s"] for r in runs if r.get("noise"))
+    waited += sum(d["noise"]["waited_for_quiet_s"] for r in runs for d in r.get("discarded_attempts", []))
+    discarded = sum(len(r.get("discarded_attempts", [])) for r in runs)
+    return (f"Other work on the machine during the runs ({os.cpu_count()} cores; each run uses {threads} threads): "
+            f"{min(during):.2f} to {max(during):.2f} cores busy with other processes, median "
+            f"{statistics.median(during):.2f} (machine busy CPU time minus the run's own, over its wall time); "
+            f"{waited:.0f} s spent in total waiting for a quieter machine before runs; {discarded} attempt(s) "
+            f"discarded and run again because other work was busy during them.")
+
+
+def _fmt_list(xs, f="{:.2f}") -> str:
+    return ", ".join(f.format(x) for x in xs)
+
+
+def render_throughput(doc: dict) -> str:
+    s = doc["settings"]
+    lines = [f"Steady sequences/s, MRPC, {MODEL}, batch {s['batch_size']}, max length {s['max_seq_length']}, "
+             f"{s['threads']} threads; {s['steps']} steps per run, first {s['warmup_steps_excluded']} excluded; "
+             f"{s['repeats']} interleaved repeat(s); ratio = median over repeats of hpcbert/Trainer in the same repeat. "
+             f"Matched precision: **{s['matched_precision']}** ({s['matched_precision_reason']}).", ""]
+    lines += ["| comparison | hpcbert | Trainer | hpcbert seq/s (per repeat) | Trainer seq/s (per repeat) "
+              "| padded tokens/seq hpcbert / Trainer | hpcbert / Trainer (median) | same, Trainer callback span "
+              "| best-of-repeats seq/s hpcbert / Trainer | hpcbert / Trainer, best-of-repeats |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
+    for c in throughput_summary(doc):
+        best = (f"{c['hpcbert_best_seq_s']:.2f} / {c['hf_best_seq_s']:.2f} | {c['ratio_best']:.2f}x"
+                if c.get("ratio_best") else "— | —")
+        lines.append(f"| {c['comparison']} | {c['hpcbert_label']} | {c['hf_label']} | {_fmt_list(c['hpcbert_seq_s'])} "
+                     f"| {_fmt_list(c['hf_seq_s'])} | {c['hpcbert_padded_tokens_per_seq']:.1f} / "
+                     f"{c['hf_padded_tokens_per_seq']:.1f} | **{c['ratio_median']:.2f}x** "
+                     f"| {c['ratio_callback_median']:.2f}x | {best} |")
+    same = [c[k] for c in throughput_summary(doc) for k in ("hpcbert_same_batches", "hf_same_batches")
+            if c.get(k) is not None]
+    lines += ["", "Best-of-repeats: every repeat of a configuration uses the same seed, hence the same batches in "
+                  "the same order; for each steady step the fastest of its repeats is taken and the figure is "
+                  "sequences / the sum of those times (contention from other work only adds time, so this "
+                  "estimates each side on a quiet machine). The repeats' per-step token counts "
+              + ("agree for every configuration (same batches)." if same and all(same) else
+                 "differ for some configuration, so best-of-repeats mixes different batches there." if same else
+                 "were not recorded.")]
+    hf_runs = [r for r in doc["runs"] if r["side"] == "hf"]
+    if hf_runs:
+        r = hf_runs[0]
+        diffs = [100 * (r["callback_sequences_per_sec"] / r["steady_sequences_per_sec"] - 1) for r in hf_runs]
+        lines += ["", f"Trainer runs: optim `{r['optim']}`, attention `{r['attn_implementation']}`, "
+                      f"{r['threads']} torch threads, lr warm-up {r['warmup_steps']} of {r['total_steps']} steps. "
+                      f"Leaving the batch fetch out of the Trainer's step (callback span) raises its seq/s by "
+                      f"{min(diffs):.1f}% to {max(diffs):.1f}% in these runs."]
+    hp_runs = [r for r in doc["runs"] if r["side"] == "hpcbert"]
+    if hp_runs:
+        lines += [f"hpcbert runs: precision resolved to "
+                  f"{', '.join(sorted({r['key'] + ': ' + r['precision'] for r in hp_runs}))}; "
+                  f"{hp_runs[0]['threads']} torch threads."]
+    lines += ["", load_line(doc["runs"], s["threads"]), "", *doc.get("notes", [])]
+    lines += ["", "Every run, in the order it ran:", "",
+              "| repeat | run | seq/s | padded tokens/seq | other-work cores during the run |", "|---|---|---|---|---|"]
+    for r in doc["runs"]:
+        lines.append(f"| {r['repeat']} | {r['comparison']}: {r['label']} | {r['steady_sequences_per_sec']:.2f} "
+                     f"| {r['padded_tokens_per_seq']:.1f} | {r['noise']['other_cores_during']:.2f} |")
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------------------------
+# accuracy
+# ----------------------------------------------------------------------------------------------
+
+def cmd_accuracy(a) -> int:
+    glue = glue_root(a.data_dir)
+    results, work = Path(a.results_dir), Path(a.work_dir)
+    seeds = [int(x) for x in a.seeds.split(",") if x.strip()]
+    precision = a.precision or ("bf16" if native_bf16() else "fp32")
+    ep = f"{a.epochs:g}"
+    doc = header("accuracy", a.threads)
+    doc["settings"] = {"epochs": a.epochs, "seeds": seeds, "precision": precision, "batch_size": BATCH,
+                       "max_seq_length": SEQ_LEN, "lr": LR, "threads": a.threads, "data_dir": a.data_dir,
+                       "hpcbert_sampler": a.hpcbert_sampler, "hf_padding": "dynamic"}
+    doc["notes"] = [
+        "The Trainer side uses dynamic padding (DataCollatorWithPadding): this comparison is about training "
+        "equivalence, and padding does not change the maths (padded positions are masked).",
+        f"hpcbert uses its {a.hpcbert_sampler} sampler; the Trainer its random sampler. Both draw the new "
+        "classification head and the data order from the seed, but with different generators, so the same "
+        "seed is not the same run on both sides: compare the means and spreads.",
+        "LR schedule: both warm up over round(0.1 x steps) steps and decay linearly to 0; hpcbert's first "
+        "step uses lr x 1/warmup, the Trainer's first step lr 0 (get_linear_schedule_with_warmup), a one-step offset.",
+        "Dev F1 and accuracy on both sides come from hpcbert.data.metrics (f1_binary, accuracy) on argmax predictions.",
+    ]
+    doc["runs"] = []
+    acc_dir = results / "accuracy"
+    for seed in seeds:  # interleaved by seed so a stop part-way leaves both sides comparable
+        for side in ("hpcbert", "hf"):
+            path = acc_dir / f"{side}-e{ep}-seed{seed}.json"
+            if path.is_file():
+                rec = read_json(path)
+                say(f"{path.name}: already done (dev f1 {rec['f1']:.4f}), skipped")
+            else:
+                name = f"acc-{side}-e{ep}-seed{seed}"
+                if side == "hpcbert":
+                    s = hpcbert_run(name, work, a.threads,
+                                    hpcbert_mrpc_args(glue, precision, seed, epochs=a.epochs,
+                                                      sampler=a.hpcbert_sampler, do_eval=True))
+                    r = hpcbert_record(s)
+                    rec = {"side": side, "seed": seed, "epochs": a.epochs, "precision": r["precision"],
+                           "f1": r["eval"]["dev"]["f1"], "accuracy": r["eval"]["dev"]["accuracy"],
+                           "final_loss": r["final_loss"], "steps": r["steps"], "wall_s": r["wall_s"],
+                           "run_dir": r["run_dir"], "argv": r["argv"], "sampler": a.hpcbert_sampler,
+                           "noise": r["noise"]}
+                else:
+                    r = hf_run(name, work, a.threads, glue, work / "hf-json" / f"{name}.json", padding="dynamic",
+                               precision=precision, seed=seed, epochs=a.epochs, do_eval=True, optim=a.hf_optim)
+                    rec = {"side": side, "seed": seed, "epochs": a.epochs, "precision": r["precision"],
+                           "f1": r["eval"]["dev"]["f1"], "accuracy": r["eval"]["dev"]["accuracy"],
+                           "final_loss": r["final_loss"], "steps": r["steps"], "wall_s": r["wall_s"],
+                           "optim": r["optim"], "warmup_steps": r["warmup_steps"], "padding": r["padding"],
+                           "noise": r["noise"]}
+                rec["date"] = doc["date"]
+                rec["hpcbert_source"] = HPCBERT_SRC.get("note")
+                write_json(path, rec)
+                say(f"{path.name}: dev f1 {rec['f1']:.4f}, accuracy {rec['accuracy']:.4f} ({rec['wall_s']:.0f} s)")
+            doc["runs"].append(rec)
+            doc["complete"] = False
+            write_json(results / "accuracy.json", doc)
+    doc["complete"] = True
+    write_json(results / "accuracy.json", doc)
+    print(render_accuracy(doc))
+    return 0
+
+
+def _mean_std(xs):
+    return statistics.mean(xs), (statistics.stdev(xs) if len(xs) > 1 else float("nan"))
+
+
+def render_accuracy(doc: dict) -> str:
+    s = doc["settings"]
+    runs = doc["runs"]
+    lines = [f"MRPC dev, {MODEL}, {s['epochs']:g} epochs, batch {s['batch_size']}, lr {s['lr']:g}, precision "
+             f"{s['precision']}, seeds {', '.join(map(str, s['seeds']))}"
+             + ("" if doc.get("complete") else " — INCOMPLETE: not every run has finished") + ".", ""]
+    lines += ["| side | runs | dev F1 per seed | dev F1 mean ± std | dev accuracy mean ± std | final train loss mean |",
+              "|---|---|---|---|---|---|"]
+    stats = {}
+    for side, label in (("hpcbert", f"hpcbert ({s['hpcbert_sampler']} sampler)"),
+                        ("hf", "transformers.Trainer (dynamic padding)")):
+        rs = sorted((r for r in runs if r["side"] == side), key=lambda r: r["seed"])
+        if not rs:
+            continue
+        f1m, f1s = _mean_std([100 * r["f1"] for r in rs])
+        am, asd = _mean_std([100 * r["accuracy"] for r in rs])
+        losses = [r["final_loss"] for r in rs if r.get("final_loss") is not None]
+        stats[side] = (f1m, am)
+        per_seed = ", ".join(f"{r['seed']}: {100 * r['f1']:.2f}" for r in rs)
+        lines.append(f"| {label} | {len(rs)} | {per_seed} | {f1m:.2f} ± {f1s:.2f} | {am:.2f} ± {asd:.2f} "
+                     f"| {statistics.mean(losses) if losses else float('nan'):.4f} |")
+    if len(stats) == 2:
+        lines += ["", f"Difference hpcbert − Trainer: F1 {stats['hpcbert'][0] - stats['hf'][0]:+.2f} points, "
+                      f"accuracy {stats['hpcbert'][1] - stats['hf'][1]:+.2f} points (std is the sample std over seeds)."]
+    walls = {side: [r["wall_s"] for r in runs if r["side"] == side] for side in ("hpcbert", "hf")}
+    lines += ["", "Wall time per run (process start to exit, evaluation included): " + "; ".join(
+        f"{side} {statistics.mean(w):.0f} s mean" for side, w in walls.items() if w) + ". "
+        + load_line(runs, s["threads"])]
+    lines += ["", *doc.get("notes", [])]
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------------------------
+# policies
+# ----------------------------------------------------------------------------------------------
+
+def cmd_policies(a) -> int:
+    results, work = Path(a.results_dir), Path(a.work_dir)
+    models = [m for m in a.models.split(",") if m.strip()]
+    policies = ["none", "alternate", "all"]
+    doc = header("policies", a.threads)
+    doc["settings"] = {"models": {m: POLICY_MODELS[m] for m in models}, "max_seq_length": SEQ_LEN,
+                       "steps": a.steps, "warmup_steps_excluded": a.warmup_excluded, "repeats": a.repeats,
+                       "threads": a.threads, "task": "synthetic", "pad_to_max_length": True}
+    doc["notes"] = [
+        "Activation bytes per sequence: hpcbert's saved-tensor-hook measurement at length 128 (bytes autograd "
+        "keeps for backward, batch 2 minus batch 1); it is deterministic, so the repeats agree.",
+        "Step times: every batch is padded to 128 (--pad-to-max-length), so all steps do the same work, at the "
+        "length the bytes are measured at; runs log every step (--log-every 1, outside the timed step) so each "
+        "step's time is in metrics.jsonl.",
+        "bert-base has random weights (throughput shape only).",
+        noise_note(a),
+    ]
+    doc["settings"].update(wait_quiet_s=a.wait_quiet, noisy_cores=a.noisy, retries=a.retries)
+    doc["runs"] = []
+    for rep in range(1, a.repeats + 1):
+        for model in models:
+            for policy in policies:
+                name = f"pol-{model}-{policy}-r{rep}"
+                args = ["--task", "synthetic", "--model", model, "--max-seq-length", str(SEQ_LEN), "--batch-size",
+                        str(POLICY_MODELS[model]), "--max-steps", str(a.steps), "--no-do-eval",
+                        "--warmup-steps-excluded", str(a.warmup_excluded), "--grad-ckpt", policy,
+                        "--pad-to-max-length", "--seed", str(SEED), "--log-every", "1"]
+                rec = measured(lambda: hpcbert_record(hpcbert_run(name, work, a.threads, args, a.wait_quiet)), a)
+                rec.update(repeat=rep, model=model, policy=policy, batch_size=POLICY_MODELS[model])
+                doc["runs"].append(rec)
+                say(f"  {name}: {rec['steady_step_time_s']:.3f} s/step (median), "
+                    f"{rec['activation_bytes_per_sequence'] / 2**20:.1f} MiB/seq "
+                    f"(other work: {rec['noise']['other_cores_during']:.2f} cores)")
+                write_json(results / "policies.json", doc)
+    print(render_policies(doc))
+    return 0
+
+
+def _steady(rec: dict) -> list[float]:
+    """Step times after the warm-up steps (all steps of a policies run do the same work)."""
+    return rec["step_times"][rec["warmup_steps_excluded"]:] if rec.get("step_times") else [rec["steady_step_time_s"]]
+
+
+def policies_summary(doc: dict) -> list[dict]:
+    runs = doc["runs"]
+    out = []
+    for model in doc["settings"]["models"]:
+        by = {(r["policy"], r["repeat"]): r for r in runs if r["model"] == model}
+        reps = sorted({rep for (p, rep) in by if p == "none"})
+        for policy in ("none", "alternate", "all"):
+            rr = [rep for rep in reps if (policy, rep) in by]
+            if not rr:
+                continue
+            time_ratios = [by[(policy, i)]["steady_step_time_s"] / by[("none", i)]["steady_step_time_s"] for i in rr]
+            fastest = {p: min(t for i in rr for t in _steady(by[(p, i)])) for p in (policy, "none")}
+            byte_ratios = [by[(policy, i)]["activation_bytes_per_sequence"] / by[("none", i)]["activation_bytes_per_sequence"]
+                           for i in rr]
+            row = {"model": model, "policy": policy, "repeats": rr,
+                   "batch_size": by[(policy, rr[0])]["batch_size"],
+                   "activation_bytes_per_sequence": statistics.median(by[(policy, i)]["activation_bytes_per_sequence"] for i in rr),
+                   "bytes_ratio": statistics.median(byte_ratios),
+                   "step_time_s": [by[(policy, i)]["steady_step_time_s"] for i in rr],
+                   "median_time_ratios": time_ratios, "median_time_ratio": statistics.median(time_ratios),
+                   "fastest_step_s": fastest[policy], "time_ratio": fastest[policy] / fastest["none"],
+                   "precision": by[(policy, rr[0])]["precision"]}
+            if policy in POLICY_TARGETS:
+                tb, tt = POLICY_TARGETS[policy]
+                row.update(target_bytes=tb, target_time=tt, bytes_ok=row["bytes_ratio"] <= tb,
+                           time_ok=row["time_ratio"] <= tt, median_time_ok=row["median_time_ratio"] <= tt)
+            out.append(row)
+    return out
+
+
+def render_policies(doc: dict) -> str:
+    s = doc["settings"]
+    lines = [f"hpcbert, synthetic task, length 128 (every batch padded to 128), {s['threads']} threads, "
+             f"{s['steps']} steps per run, first {s['warmup_steps_excluded']} excluded, {s['repeats']} interleaved "
+             f"repeat(s); batch: " + ", ".join(f"{m} {b}" for m, b in s["models"].items()) + ".", "",
+             "| model | policy | activation MiB/seq | bytes vs none | target | fastest step s | time vs none "
+             "(fastest steps) | median step s (per repeat) | time vs none (median of per-repeat median ratios) "
+             "| target | verdict (fastest steps) | verdict (medians) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+
+    def verdict(r, time_ok):
+        if not r["bytes_ok"] or not time_ok:
+            return "MISS (" + ", ".join(w for w, ok in (("bytes", r["bytes_ok"]), ("time", time_ok)) if not ok) + ")"
+        return "PASS"
+
+    for r in policies_summary(doc):
+        if "target_bytes" in r:
+            tgt = f"≤ {r['target_bytes']:.2f}x bytes, ≤ {r['target_time']:.2f}x time"
+            v1, v2 = verdict(r, r["time_ok"]), verdict(r, r["median_time_ok"])
+        else:
+            tgt = v1 = v2 = "—"
+        lines.append(f"| {r['model']} | {r['policy']} | {r['activation_bytes_per_sequence'] / 2**20:.2f} "
+                     f"| {r['bytes_ratio']:.2f}x | {tgt.split(', ')[0]} | {r['fastest_step_s']:.3f} "
+                     f"| **{r['time_ratio']:.2f}x** | {_fmt_list(r['step_time_s'], '{:.3f}')} "
+                     f"| {r['median_time_ratio']:.2f}x | {tgt.split(', ')[-1]} | {'**' + v1 + '**' if v1 != '—' else v1} | {v2} |")
+    lines += ["", "Fastest steps: every step of these runs does the same work (batches padded to 128), and other "
+                  "work on the machine only ever adds time, so the fastest steady step over all repeats of a "
+                  "policy is the best estimate of its uncontended step time; the ratio divides it by the same "
+                  "figure for `none`. The median-based ratio (each run's median step, per-repeat ratio to `none`, "
+                  "median over repeats) is shown beside it; the two agree only where the machine was quiet."]
+    lines += ["", load_line(doc["runs"], s["threads"]), "", *doc.get("notes", [])]
+    lines += ["", "Every run, in the order it ran:", "",
+              "| repeat | model | policy | median step s | mean step s | other-work cores during the run |",
+              "|---|---|---|---|---|---|"]
+    for r in doc["runs"]:
+        lines.append(f"| {r['repeat']} | {r['model']} | {r['policy']} | {r['steady_step_time_s']:.3f} "
+                     f"| {r['mean_step_time_s']:.3f} | {r['noise']['other_cores_during']:.2f} |")
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------------------------
+# render
+# ----------------------------------------------------------------------------------------------
+
+def _machine_line(doc: dict) -> str:
+    m = doc["machine"]
+    dev = f", GPU {m['cuda']}" if m.get("cuda") else ""
+    return (f"{m['cpu']}, {m['cores']} cores, {m['threads']} threads per run{dev}; native bf16: "
+            f"{'yes' if m['native_bf16'] else 'no'}; Python {m['python']}, torch {m['torch']}, transformers "
+            f"{m['transformers']}, accelerate {m['accelerate']}, datasets {m['datasets']}; hpcbert: "
+            f"{m.get('hpcbert_source', {}).get('note') or m.get('git_commit') or 'unknown'}")
+
+
+def cmd_render(a) -> int:
+    results = Path(a.results_dir)
+    sections = [
+        ("Throughput", "throughput.json", render_throughput),
+        ("Accuracy", "accuracy.json", render_accuracy),
+        ("Gradient-checkpointing policies (hpcbert only)", "policies.json", render_policies),
+    ]
+    out = ["# hpcbert vs the Hugging Face Trainer",
+           "",
+           "Generated by `python benchmarks/compare_hf.py render` from the JSON files in this folder; every "
+           "figure comes from the runs the commands below started. Per-run hpcbert directories and logs are "
+           "under `runs/compare_hf/` (not committed).",
+           ""]
+    for title, fname, fn in sections:
+        out += [f"## {title}", ""]
+        path = results / fname
+        if not path.is_file():
+            out += [f"Not measured yet (`{fname}` is missing).", ""]
+            continue
+        doc = read_json(path)
+        out += ["```", doc["command"], "```", "",
+                f"Measured {doc['date']} on {_machine_line(doc)}.", "", fn(doc), ""]
+    text = "\n".join(out)
+    (results / "README.md").write_text(text)
+    print(text)
+    return 0
+
+
+# ----------------------------------------------------------------------------------------------
+# command line
+# ----------------------------------------------------------------------------------------------
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "_hf-worker":  # hidden: one Trainer run in its own process
+        return hf_worker(argv[1:])
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True)
+
+    def common(sp, data=True):
+        if data:
+            sp.add_argument("--data-dir", default=DEFAULT_DATA,
+                            help="MRPC folder (train.tsv, dev.tsv) or a GLUE directory holding MRPC/ "
+                                 "(default: %(default)s, relative to the project root)")
+        sp.add_argument("--results-dir", default=str(DEFAULT_RESULTS), help="where the JSON files go (default: %(default)s)")
+        sp.add_argument("--work-dir", default=str(DEFAULT_WORK),
+                        help="run directories, logs and Trainer scratch (default: %(default)s)")
+        sp.add_argument("--threads", type=int, default=THREADS, help="torch threads per run, both sides (default: %(default)s)")
+        sp.add_argument("--hpcbert-rev", default=None,
+                        help="run the hpcbert of this git commit (extracted with git archive) instead of the "
+                             "working tree's BERT/, so concurrent edits cannot change the code mid-benchmark")
+
+    t = sub.add_parser("throughput", help="steady seq/s, hpcbert vs Trainer, interleaved repeats")
+    common(t)
+    t.add_argument("--steps", type=int, default=40, help="optimizer steps per run (default: %(default)s)")
+    t.add_argument("--warmup-excluded", type=int, default=5, help="first steps left out, both sides (default: %(default)s)")
+    t.add_argument("--repeats", type=int, default=2, help="interleaved repeats (default: %(default)s)")
+    t.add_argument("--matched-precision", choices=("fp32", "bf16"), default=None,
+                   help="precision of the 'matched' comparison (default: bf16 where the device has native bf16, else fp32)")
+    t.add_argument("--hf-optim", default=None, help="TrainingArguments.optim (default: the Trainer's default)")
+    t.add_argument("--wait-quiet", type=float, default=120,
+                   help="before each run, wait up to this many seconds for other work to use < 0.3 cores "
+                        "(0: do not wait; default: %(default)s)")
+    t.add_argument("--noisy", type=float, default=0.5,
+                   help="a run during which other work kept more cores than this busy on average is run "
+                        "again (default: %(default)s)")
+    t.add_argument("--retries", type=int, default=1, help="at most this many re-runs of a noisy run (default: %(default)s)")
+    t.set_defaults(fn=cmd_throughput)
+
+    c = sub.add_parser("accuracy", help="MRPC dev F1/accuracy after N epochs, per seed, both sides (resumable)")
+    common(c)
+    c.add_argument("--seeds", default="1,2,3", help="comma-separated seeds (default: %(default)s)")
+    c.add_argument("--epochs", type=float, default=3.0, help="training epochs (default: %(default)s)")
+    c.add_argument("--precision", choices=("fp32", "bf16"), default=None,
+                   help="both sides (default: bf16 where the device has native bf16, else fp32)")
+    c.add_argument("--hpcbert-sampler", default="length-grouped", choices=("length-grouped", "random"),
+                   help="hpcbert's sampler (default: %(default)s, its default)")
+    c.add_argument("--hf-optim", default=None, help="TrainingArguments.optim (default: the Trainer's default)")
+    c.set_defaults(fn=cmd_accuracy)
+
+    q = sub.add_parser("policies", help="hpcbert checkpointing policies: activation bytes and step time vs none")
+    common(q, data=False)
+    q.add_argument("--models", default=",".join(POLICY_MODELS), help="comma-separated (default: %(default)s)")
+    q.add_argument("--steps", type=int, default=12, help="optimizer steps per run (default: %(default)s)")
+    q.add_argument("--warmup-excluded", type=int, default=2, help="first steps left out (default: %(default)s)")
+    q.add_argument("--repeats", type=int, default=3, help="interleaved repeats (default: %(default)s)")
+    q.add_argument("--wait-quiet", type=float, default=120,
+                   help="before each run, wait up to this many seconds for other work to use < 0.3 cores "
+                        "(0: do not wait; default: %(default)s)")
+    q.add_argument("--noisy", type=float, default=0.5,
+                   help="a run during which other work kept more cores than this busy on average is run "
+                        "again (default: %(default)s)")
+    q.add_argument("--retries", type=int, default=1, help="at most this many re-runs of a noisy run (default: %(default)s)")
+    q.set_defaults(fn=cmd_policies)
+
+    r = sub.add_parser("render", help="write results/compare_hf/README.md from the JSON files")
+    r.add_argument("--results-dir", default=str(DEFAULT_RESULTS))
+    r.set_defaults(fn=cmd_render)
+
+    a = p.parse_args(argv)
+    use_hpcbert(getattr(a, "hpcbert_rev", None))
+    if getattr(a, "models", None):
+        unknown = [m for m in a.models.split(",") if m.strip() and m not in POLICY_MODELS]
+        if unknown:
+            p.error(f"--models: unknown {unknown}; accepted: {', '.join(POLICY_MODELS)}")
+    return a.fn(a)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
