@@ -13,6 +13,7 @@ from __future__ import annotations
 import builtins
 import hashlib
 import os
+import tempfile
 import sys
 from pathlib import Path
 
@@ -77,6 +78,9 @@ if __name__ == "__main__":
     rank = int(os.environ.get("RANK", "0"))
     h1, h2 = register_optimizer_step_pre_hook(_pre), register_optimizer_step_post_hook(_post)
     T.shard = _recording_shard
+    # Python's tempfile checks that $TMPDIR is writable with a throw-away file the first time it
+    # is asked (torch's import of dynamo asks); that is the interpreter's write, not hpcbert's.
+    tempfile.gettempdir()
     builtins.open, os.open, os.mkdir = _rec_open, _rec_os_open, _rec_mkdir
     try:
         rc = main(sys.argv[1:])
