@@ -55,6 +55,47 @@ def _free_ports(n: int) -> list[int]:
             s.close()
 
 
+def slurm_conf(cluster: str, ctld_host: str, b: Path, ctld_port: int, d_port: int, nodes: str) -> str:
+    """slurm.conf for a private test cluster under `b` (munge socket, state, spool, logs, PID files),
+    without cgroups or accounting (NOTES §2.2), KillWait shortened; `nodes` = NodeName/Partition lines."""
+    m = b / "munge"
+    return f"""\
+ClusterName={cluster}
+SlurmctldHost={ctld_host}
+SlurmUser=root
+SlurmdUser=root
+AuthType=auth/munge
+CredType=cred/munge
+AuthInfo=socket={m}/munge.socket.2
+SlurmctldPort={ctld_port}
+SlurmdPort={d_port}
+StateSaveLocation={b}/state
+SlurmdSpoolDir={b}/spool/%n
+SlurmctldPidFile={b}/run/slurmctld.pid
+SlurmdPidFile={b}/run/slurmd-%n.pid
+SlurmctldLogFile={b}/log/slurmctld.log
+SlurmdLogFile={b}/log/slurmd-%n.log
+SlurmctldDebug=info
+SlurmdDebug=info
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+JobAcctGatherType=jobacct_gather/none
+AccountingStorageType=accounting_storage/none
+JobCompType=jobcomp/none
+MpiDefault=none
+SchedulerType=sched/backfill
+SelectType=select/cons_tres
+SelectTypeParameters=CR_Core
+ReturnToService=2
+KillWait={KILL_WAIT_S}
+OverTimeLimit=0
+MinJobAge=300
+InactiveLimit=0
+SlurmdTimeout=60
+{nodes}
+"""
+
+
 @dataclass
 class SlurmCluster:
     base: Path
@@ -94,47 +135,14 @@ class SlurmCluster:
         return cluster
 
     def _write_conf(self) -> None:
-        b, m = self.base, self.base / "munge"
+        b = self.base
         node = subprocess.run(["slurmd", "-C"], capture_output=True, text=True, check=True).stdout.splitlines()[0]
         node = re.sub(r"^NodeName=\S+", f"NodeName={self.host}", node)
         node = re.sub(r"RealMemory=\d+", "RealMemory=2000", node)
         ctld_port, d_port = _free_ports(2)
-        (b / "etc" / "slurm.conf").write_text(f"""\
-ClusterName=hpcberttest
-SlurmctldHost={self.host}
-SlurmUser=root
-SlurmdUser=root
-AuthType=auth/munge
-CredType=cred/munge
-AuthInfo=socket={m}/munge.socket.2
-SlurmctldPort={ctld_port}
-SlurmdPort={d_port}
-StateSaveLocation={b}/state
-SlurmdSpoolDir={b}/spool/%n
-SlurmctldPidFile={b}/run/slurmctld.pid
-SlurmdPidFile={b}/run/slurmd-%n.pid
-SlurmctldLogFile={b}/log/slurmctld.log
-SlurmdLogFile={b}/log/slurmd-%n.log
-SlurmctldDebug=info
-SlurmdDebug=info
-ProctrackType=proctrack/linuxproc
-TaskPlugin=task/none
-JobAcctGatherType=jobacct_gather/none
-AccountingStorageType=accounting_storage/none
-JobCompType=jobcomp/none
-MpiDefault=none
-SchedulerType=sched/backfill
-SelectType=select/cons_tres
-SelectTypeParameters=CR_Core
-ReturnToService=2
-KillWait={KILL_WAIT_S}
-OverTimeLimit=0
-MinJobAge=300
-InactiveLimit=0
-SlurmdTimeout=60
-{node} State=UNKNOWN
-PartitionName=debug Nodes={self.host} Default=YES MaxTime=INFINITE State=UP
-""")
+        (b / "etc" / "slurm.conf").write_text(slurm_conf(
+            "hpcberttest", self.host, b, ctld_port, d_port,
+            f"{node} State=UNKNOWN\nPartitionName=debug Nodes={self.host} Default=YES MaxTime=INFINITE State=UP"))
 
     def _pidfiles(self) -> list[Path]:
         """The daemons' PID files, in stopping order."""
@@ -280,45 +288,12 @@ class TwoNodeSlurmCluster(SlurmCluster):
         return cluster
 
     def _write_conf(self) -> None:
-        b, m = self.base, self.base / "munge"
+        b = self.base
         node_lines = "\n".join(f"NodeName={name} NodeAddr={n.ip} NodeHostname={name} CPUs=2 RealMemory=1000 "
                                f"State=UNKNOWN" for n, name in zip(self.nodes, TWO_NODE_NAMES))
-        (b / "etc" / "slurm.conf").write_text(f"""\
-ClusterName=hpcberttest2
-SlurmctldHost={self.host}({self.nodes[0].ip})
-SlurmUser=root
-SlurmdUser=root
-AuthType=auth/munge
-CredType=cred/munge
-AuthInfo=socket={m}/munge.socket.2
-SlurmctldPort=6817
-SlurmdPort=6818
-StateSaveLocation={b}/state
-SlurmdSpoolDir={b}/spool/%n
-SlurmctldPidFile={b}/run/slurmctld.pid
-SlurmdPidFile={b}/run/slurmd-%n.pid
-SlurmctldLogFile={b}/log/slurmctld.log
-SlurmdLogFile={b}/log/slurmd-%n.log
-SlurmctldDebug=info
-SlurmdDebug=info
-ProctrackType=proctrack/linuxproc
-TaskPlugin=task/none
-JobAcctGatherType=jobacct_gather/none
-AccountingStorageType=accounting_storage/none
-JobCompType=jobcomp/none
-MpiDefault=none
-SchedulerType=sched/backfill
-SelectType=select/cons_tres
-SelectTypeParameters=CR_Core
-ReturnToService=2
-KillWait={KILL_WAIT_S}
-OverTimeLimit=0
-MinJobAge=300
-InactiveLimit=0
-SlurmdTimeout=60
-{node_lines}
-PartitionName=two Nodes={','.join(TWO_NODE_NAMES)} Default=YES MaxTime=INFINITE State=UP
-""")
+        (b / "etc" / "slurm.conf").write_text(slurm_conf(
+            "hpcberttest2", f"{self.host}({self.nodes[0].ip})", b, 6817, 6818,
+            f"{node_lines}\nPartitionName=two Nodes={','.join(TWO_NODE_NAMES)} Default=YES MaxTime=INFINITE State=UP"))
 
     def _pidfiles(self) -> list[Path]:
         return [*(self.base / "run" / f"slurmd-{name}.pid" for name in TWO_NODE_NAMES),
