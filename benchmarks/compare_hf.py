@@ -420,6 +420,8 @@ def hf_worker(argv: list[str]) -> int:
         eval_strategy="no", save_strategy="no", report_to="none", dataloader_num_workers=0,
         seed=a.seed, bf16=a.precision == "bf16", logging_strategy="steps", logging_steps=10, disable_tqdm=True,
         gradient_accumulation_steps=1,
+        # bf16 on a CPU (autocast, as hpcbert's bf16) needs use_cpu=True: without it TrainingArguments refuses bf16.
+        use_cpu=not torch.cuda.is_available(),
     )
     if a.optim:
         kwargs["optim"] = a.optim

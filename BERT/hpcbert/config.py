@@ -109,7 +109,7 @@ class RunConfig:
 
     # --- optimisation ---
     optimizer: str = "adamw"
-    """adamw (fused on CUDA) or lamb."""
+    """adamw (PyTorch's fused kernel on CUDA, and on CPU from torch 2.4) or lamb."""
     lr: float = 2e-5
     """Peak learning rate (before --lr-scaling)."""
     lr_scaling: str = "none"
