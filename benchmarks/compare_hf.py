@@ -586,6 +586,8 @@ def throughput_summary(doc: dict) -> list[dict]:
                 "hf_padded_tokens_per_seq": statistics.mean(hf[i]["padded_tokens_per_seq"] for i in reps),
                 "hpcbert_precision": hp[reps[0]]["precision"], "hf_precision": hf[reps[0]]["precision"],
             })
+            out[-1]["ratio_padded_tokens"] = out[-1]["ratio_median"] * (
+                out[-1]["hpcbert_padded_tokens_per_seq"] / out[-1]["hf_padded_tokens_per_seq"])
             hp_best, hp_same = best_of_repeats([hp[i] for i in reps])
             hf_best, hf_same = best_of_repeats([hf[i] for i in reps])
             out[-1].update(hpcbert_best_seq_s=hp_best, hf_best_seq_s=hf_best, hpcbert_same_batches=hp_same,
@@ -647,15 +649,21 @@ def render_throughput(doc: dict) -> str:
              f"Matched precision: **{s['matched_precision']}** ({s['matched_precision_reason']}).", ""]
     lines += ["| comparison | hpcbert | Trainer | hpcbert seq/s (per repeat) | Trainer seq/s (per repeat) "
               "| padded tokens/seq hpcbert / Trainer | hpcbert / Trainer (median) | same, Trainer callback span "
-              "| best-of-repeats seq/s hpcbert / Trainer | hpcbert / Trainer, best-of-repeats |",
-              "|---|---|---|---|---|---|---|---|---|---|"]
+              "| best-of-repeats seq/s hpcbert / Trainer | hpcbert / Trainer, best-of-repeats "
+              "| padded tokens/s hpcbert / Trainer |",
+              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for c in throughput_summary(doc):
         best = (f"{c['hpcbert_best_seq_s']:.2f} / {c['hf_best_seq_s']:.2f} | {c['ratio_best']:.2f}x"
                 if c.get("ratio_best") else "— | —")
         lines.append(f"| {c['comparison']} | {c['hpcbert_label']} | {c['hf_label']} | {_fmt_list(c['hpcbert_seq_s'])} "
                      f"| {_fmt_list(c['hf_seq_s'])} | {c['hpcbert_padded_tokens_per_seq']:.1f} / "
                      f"{c['hf_padded_tokens_per_seq']:.1f} | **{c['ratio_median']:.2f}x** "
-                     f"| {c['ratio_callback_median']:.2f}x | {best} |")
+                     f"| {c['ratio_callback_median']:.2f}x | {best} | {c['ratio_padded_tokens']:.2f}x |")
+    lines += ["", "Padded tokens/s: the median seq/s ratio times the ratio of padded tokens per sequence, i.e. the "
+                  "rate at which each side pushes (padded) positions through the model. With the same sampler (random "
+                  "order on both sides) the two sides still draw different batches (different generators), so over a "
+                  "few dozen steps their padded lengths differ by chance; this column takes that out (attention's "
+                  "cost grows with the square of the length, so only approximately)."]
     same = [c[k] for c in throughput_summary(doc) for k in ("hpcbert_same_batches", "hf_same_batches")
             if c.get(k) is not None]
     lines += ["", "Best-of-repeats: every repeat of a configuration uses the same seed, hence the same batches in "
@@ -796,10 +804,12 @@ def cmd_policies(a) -> int:
     results, work = Path(a.results_dir), Path(a.work_dir)
     models = [m for m in a.models.split(",") if m.strip()]
     policies = ["none", "alternate", "all"]
+    precision = a.precision or ("bf16" if native_bf16() else "fp32")  # what hpcbert's auto resolves to here
     doc = header("policies", a.threads)
     doc["settings"] = {"models": {m: POLICY_MODELS[m] for m in models}, "max_seq_length": SEQ_LEN,
                        "steps": a.steps, "warmup_steps_excluded": a.warmup_excluded, "repeats": a.repeats,
-                       "threads": a.threads, "task": "synthetic", "pad_to_max_length": True}
+                       "threads": a.threads, "task": "synthetic", "pad_to_max_length": True,
+                       "precision": precision}
     doc["notes"] = [
         "Activation bytes per sequence: hpcbert's saved-tensor-hook measurement at length 128 (bytes autograd "
         "keeps for backward, batch 2 minus batch 1); it is deterministic, so the repeats agree.",
@@ -819,15 +829,105 @@ def cmd_policies(a) -> int:
                         str(POLICY_MODELS[model]), "--max-steps", str(a.steps), "--no-do-eval",
                         "--warmup-steps-excluded", str(a.warmup_excluded), "--grad-ckpt", policy,
                         "--pad-to-max-length", "--seed", str(SEED), "--log-every", "1"]
+                if a.precision:
+                    args += ["--precision", a.precision]
                 rec = measured(lambda: hpcbert_record(hpcbert_run(name, work, a.threads, args, a.wait_quiet)), a)
                 rec.update(repeat=rep, model=model, policy=policy, batch_size=POLICY_MODELS[model])
                 doc["runs"].append(rec)
                 say(f"  {name}: {rec['steady_step_time_s']:.3f} s/step (median), "
                     f"{rec['activation_bytes_per_sequence'] / 2**20:.1f} MiB/seq "
                     f"(other work: {rec['noise']['other_cores_during']:.2f} cores)")
-                write_json(results / "policies.json", doc)
+                write_json(results / f"policies-{precision}.json", doc)
     print(render_policies(doc))
     return 0
+
+
+def cmd_breakdown(a) -> int:
+    """Where a training step's time goes, per model and precision, measured in this process: forward,
+    backward and optimizer step of hpcbert's model at length 128, with dropout as configured and with
+    every dropout probability set to 0. Full recomputation repeats the forward (dropout masks included,
+    replayed from the saved RNG state), so forward / step is what checkpointing every layer can cost."""
+    import dataclasses
+
+    import torch
+
+    from hpcbert import policies
+    from hpcbert.model import BertForSequenceClassification
+    from hpcbert.optim import make_optimizer
+    from hpcbert.config import RunConfig
+    from hpcbert.zoo import resolve
+
+    torch.set_num_threads(a.threads)
+    results = Path(a.results_dir)
+    models = [m for m in a.models.split(",") if m.strip()]
+    precisions = [x for x in a.precisions.split(",") if x.strip()]
+    doc = header("breakdown", a.threads)
+    doc["settings"] = {"models": {m: POLICY_MODELS[m] for m in models}, "precisions": precisions,
+                       "max_seq_length": SEQ_LEN, "repeats": a.repeats, "threads": a.threads}
+    doc["rows"] = []
+    dev = torch.device("cpu")
+    wait_quiet(a.wait_quiet)
+    for model in models:
+        src = resolve(model)
+        B = POLICY_MODELS[model]
+        g = torch.Generator().manual_seed(SEED)
+        ids = torch.randint(1000, 20000, (B, SEQ_LEN), generator=g)
+        mask, types = torch.ones_like(ids), torch.zeros_like(ids)
+        labels = torch.randint(0, 2, (B,), generator=g)
+        for precision in precisions:
+            for dropout in (True, False):
+                cfg = dataclasses.replace(src.config, num_labels=2)
+                if not dropout:
+                    cfg = dataclasses.replace(cfg, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+                torch.manual_seed(SEED)
+                m = BertForSequenceClassification(cfg).train()
+                opt = make_optimizer(RunConfig(), m, 2e-5, dev)
+                times = {"forward": [], "backward": [], "optimizer": []}
+                for i in range(2 + a.repeats):  # the first two are warm-up
+                    t0 = time.perf_counter()
+                    with policies.autocast(precision, dev):
+                        loss = m.loss_sum(m(ids, mask, types), labels) / B
+                    t1 = time.perf_counter()
+                    loss.backward()
+                    t2 = time.perf_counter()
+                    torch.nn.utils.clip_grad_norm_(m.parameters(), MAX_GRAD_NORM)
+                    opt.step()
+                    opt.zero_grad(set_to_none=True)
+                    t3 = time.perf_counter()
+                    if i >= 2:
+                        for k, dt in zip(times, (t1 - t0, t2 - t1, t3 - t2)):
+                            times[k].append(dt)
+                med = {k: statistics.median(v) for k, v in times.items()}
+                row = {"model": model, "batch_size": B, "precision": precision, "dropout": dropout,
+                       **{f"{k}_s": v for k, v in med.items()}, "step_s": sum(med.values())}
+                row["forward_share_of_step"] = med["forward"] / row["step_s"]
+                doc["rows"].append(row)
+                say(f"  breakdown {model} {precision} dropout={'on' if dropout else 'off'}: forward "
+                    f"{med['forward']:.3f} s, backward {med['backward']:.3f} s, optimizer {med['optimizer']:.3f} s "
+                    f"(forward {100 * row['forward_share_of_step']:.0f}% of the step)")
+                write_json(results / "breakdown.json", doc)
+    print(render_breakdown(doc))
+    return 0
+
+
+def render_breakdown(doc: dict) -> str:
+    s = doc["settings"]
+    lines = [f"hpcbert's model in this process, length 128, {s['threads']} threads, batch: "
+             + ", ".join(f"{m} {b}" for m, b in s["models"].items())
+             + f"; median of {s['repeats']} steps after 2 warm-up steps. Forward / step is the time full "
+             "recomputation adds to a step (checkpointing every layer reruns the forward of every layer, "
+             "dropout masks redrawn from the saved RNG state), so `all` costs about 1 + that share. Random weights (the time does not depend on their values).", "",
+             "| model | precision | dropout | forward s | backward s | optimizer s | forward / step "
+             "| forward with dropout / without |", "|---|---|---|---|---|---|---|---|"]
+    rows = doc["rows"]
+    for r in rows:
+        off = next((x for x in rows if x["model"] == r["model"] and x["precision"] == r["precision"]
+                    and not x["dropout"]), None)
+        rel = f"{r['forward_s'] / off['forward_s']:.2f}x" if (r["dropout"] and off) else "—"
+        lines.append(f"| {r['model']} | {r['precision']} | {'on (0.1)' if r['dropout'] else 'off'} "
+                     f"| {r['forward_s']:.3f} | {r['backward_s']:.3f} | {r['optimizer_s']:.3f} "
+                     f"| {r['forward_share_of_step']:.2f} | {rel} |")
+    return "\n".join(lines)
 
 
 def _steady(rec: dict) -> list[float]:
@@ -923,8 +1023,12 @@ def cmd_render(a) -> int:
     sections = [
         ("Throughput", "throughput.json", render_throughput),
         ("Accuracy", "accuracy.json", render_accuracy),
-        ("Gradient-checkpointing policies (hpcbert only)", "policies.json", render_policies),
     ]
+    for path in sorted(results.glob("policies-*.json")) or [results / "policies-bf16.json"]:
+        prec = path.stem.split("-", 1)[1]
+        sections.append((f"Gradient-checkpointing policies (hpcbert only), {prec}", path.name, render_policies))
+    sections.append(("Where a step's time goes (why recomputation costs what it does)", "breakdown.json",
+                     render_breakdown))
     out = ["# hpcbert vs the Hugging Face Trainer",
            "",
            "Generated by `python benchmarks/compare_hf.py render` from the JSON files in this folder; every "
@@ -1011,7 +1115,19 @@ def main(argv: list[str] | None = None) -> int:
                    help="a run during which other work kept more cores than this busy on average is run "
                         "again (default: %(default)s)")
     q.add_argument("--retries", type=int, default=1, help="at most this many re-runs of a noisy run (default: %(default)s)")
+    q.add_argument("--precision", choices=("fp32", "bf16"), default=None,
+                   help="hpcbert --precision (default: its own auto, bf16 where the CPU has native bf16); "
+                        "the results go to policies-<precision>.json")
     q.set_defaults(fn=cmd_policies)
+
+    b = sub.add_parser("breakdown", help="forward / backward / optimizer time per step, dropout on and off")
+    common(b, data=False)
+    b.add_argument("--models", default=",".join(POLICY_MODELS), help="comma-separated (default: %(default)s)")
+    b.add_argument("--precisions", default="fp32,bf16", help="comma-separated (default: %(default)s)")
+    b.add_argument("--repeats", type=int, default=5, help="timed steps per configuration (default: %(default)s)")
+    b.add_argument("--wait-quiet", type=float, default=120,
+                   help="wait up to this many seconds for a quiet machine first (default: %(default)s)")
+    b.set_defaults(fn=cmd_breakdown)
 
     r = sub.add_parser("render", help="write results/compare_hf/README.md from the JSON files")
     r.add_argument("--results-dir", default=str(DEFAULT_RESULTS))

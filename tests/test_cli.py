@@ -49,19 +49,19 @@ def test_train_writes_a_self_describing_run_directory(tmp_path):
 def test_time_budget_stops_the_run_and_counts_what_ran(tmp_path):
     out = tmp_path / "run"
     t0 = time.time()
-    r = hpcbert("train", "--model", "bert-tiny", "--task", "synthetic", "--epochs", 1000, "--time-budget", "9s",
+    r = hpcbert("train", "--model", "bert-tiny", "--task", "synthetic", "--epochs", 1000, "--time-budget", "15s",
                 "--batch-size", 8, "--no-do-eval", "--out", out)
     wall = time.time() - t0
     assert r.returncode == 0, r.stderr
     s = read_summary(out)
-    assert s["stopped_by"] == "time_budget" and s["time_budget_s"] == 9
+    assert s["stopped_by"] == "time_budget" and s["time_budget_s"] == 15
     # Training stops before a step predicted (median of recent steps) to end past the box, so every
     # step ends inside it, unless the last one ran slower than predicted (a busy machine): then
     # exactly that step is not counted.
-    inside = s["startup_s"] + s["train_s"] <= 9.0
+    inside = s["startup_s"] + s["train_s"] <= 15.0
     assert s["steps"] > 1 and s["steps_in_budget"] == s["steps"] - (0 if inside else 1)
     assert s["sequences_in_budget"] == 8 * s["steps_in_budget"] and s["sequences"] == 8 * s["steps"]
-    assert wall < 9 + 15  # and the process did not run on (measured from outside)
+    assert wall < 15 + 15  # and the process did not run on (measured from outside)
 
 
 @pytest.mark.skipif(not minilm_available(), reason="needs minilm-l6's vocabulary to tokenise GLUE text")
