@@ -13,6 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 import pytest
 
@@ -405,3 +406,34 @@ def test_report_of_real_training_runs(tmp_path):
     out = tmp_path / "report.html"
     assert hpcbert("report", tmp_path / "runs", "--format", "html", "--out", out).returncode == 0
     assert out.read_text().count("<img ") == 2  # loss curves and dev metric; the other two are notes
+
+
+def test_policy_step_time_is_compared_on_the_same_batches(tmp_path):
+    # A time-boxed bench: the slower policy does fewer steps. Batches early in the order are longer
+    # (length-grouped: a mega-batch's longest first), so the two runs' steady windows hold different
+    # batches; comparing their median step times would mix the cost of the policy with that of the
+    # batches. Same seed -> same batches at the same step: the ratio is taken step by step.
+    def none_time(step):
+        return 2.0 - 0.05 * step  # 1.95 s at step 1 down to 1.0 s at step 20
+
+    runs = {"none": [(k, none_time(k)) for k in range(1, 21)],
+            "alternate": [(k, 1.2 * none_time(k)) for k in range(1, 9)]}
+    dirs = []
+    for policy, steps in runs.items():
+        times = [t for k, t in steps if k > 2]
+        d = make_run(tmp_path, f"b-{policy}", config={"grad_ckpt": policy}, act_mib=10.0,
+                     step_time_s=float(np.median(times)), seq_per_s=32 / float(np.median(times)),
+                     warmup_steps_excluded=2)
+        with open(d / "metrics.jsonl", "w") as f:
+            for k, t in steps:
+                f.write(json.dumps({"step": k, "loss": 0.5, "step_time_s": t}) + "\n")
+        dirs.append(d)
+    t = _parse_md_table(report.bench_report(dirs, tmp_path / "b.html")).set_index("run")
+    assert t.loc["b-alternate", "step_time_vs_none"] == "1.20"
+    # The medians alone would say 1.2 x 1.725 / 1.425 = 1.45 (steps 3-8 against steps 3-20).
+    # Another seed is not the same batches: back to the ratio of median step times.
+    other = make_run(tmp_path, "c-alternate", config={"grad_ckpt": "alternate", "seed": 2}, act_mib=10.0,
+                     step_time_s=3.0, seq_per_s=32 / 3.0)
+    none_only = [dirs[0], other]
+    t2 = _parse_md_table(report.bench_report(none_only, tmp_path / "c.html")).set_index("run")
+    assert t2.loc["c-alternate", "step_time_vs_none"] == f"{3.0 / float(np.median([none_time(k) for k in range(3, 21)])):.2f}"

@@ -94,8 +94,9 @@ COLUMN_DOCS = {
     "speedup": "seq_per_s / the baseline's seq_per_s",
     "scaling_eff": "speedup / (world_size / the baseline's world_size), where world sizes differ",
     "act_vs_none": "act_MiB_per_seq / that of grad_ckpt none with otherwise equal settings",
-    "step_time_vs_none": "step_time_ms / that of grad_ckpt none with otherwise equal settings "
-                         "(same batch and world size)",
+    "step_time_vs_none": "step time / that of grad_ckpt none with otherwise equal settings (same batch "
+                         "and world size): median of per-step ratios over the steady steps both logged "
+                         "(same seed, so the same batches), else the ratio of median step times",
 }
 
 # Keys read as numbers: a string or a boolean there is a broken summary (null is allowed: unmeasured).
@@ -379,6 +380,32 @@ def _policy_keys(s: dict) -> tuple[str, str]:
     return coarse, fine
 
 
+def _logged_step_times(r: dict) -> dict[int, float]:
+    """step -> that step's time, for the logged steady steps of a run (after its warm-up)."""
+    w = r["summary"].get("warmup_steps_excluded") or 0
+    return {m["step"]: m["step_time_s"] for m in r["metrics"]
+            if m.get("step", 0) > w and _is_number(m.get("step_time_s")) and m["step_time_s"] > 0}
+
+
+def _same_step_ratio(r: dict, refs: Sequence[dict], min_steps: int = 3) -> float | None:
+    """Step time of a checkpointed run over that of its 'none' runs, on the same batches: the median of
+    per-step ratios over the steady steps both logged, with 'none' runs of the same seed (same seed,
+    same batch order). A time-boxed run of a slower policy does fewer steps, and with variable lengths
+    (length-grouped order puts a mega-batch's longest batches first) its steady window would hold
+    other batches than the reference's; step-by-step ratios compare like with like. None when fewer
+    than `min_steps` common steps exist (the caller falls back to the ratio of median step times)."""
+    mine = _logged_step_times(r)
+    ratios = []
+    for ref in refs:
+        if ref["summary"]["seed"] != r["summary"]["seed"]:
+            continue
+        theirs = _logged_step_times(ref)
+        common = sorted(set(mine) & set(theirs))
+        if len(common) >= min_steps:
+            ratios.append(float(np.median([mine[k] / theirs[k] for k in common])))
+    return float(np.mean(ratios)) if ratios else None
+
+
 def build_table(runs: Sequence[dict], baseline: dict | Sequence[dict] | None = None, *,
                 policy_columns: bool = False) -> pd.DataFrame:
     """One row per seed group (runs equal in everything but seed and out dir), sorted.
@@ -406,18 +433,22 @@ def build_table(runs: Sequence[dict], baseline: dict | Sequence[dict] | None = N
     if policy_columns:
         none_act: dict[str, list[float]] = {}
         none_step: dict[str, list[float]] = {}
+        none_runs: dict[str, list[dict]] = {}
         for r in runs:
             if r["summary"]["grad_ckpt"] == "none":
                 coarse, fine = _policy_keys(r["summary"])
                 none_act.setdefault(coarse, []).append(values[r["dir"]]["act_MiB_per_seq"])
                 none_step.setdefault(fine, []).append(values[r["dir"]]["step_time_ms"])
+                none_runs.setdefault(fine, []).append(r)
         for r in runs:
             coarse, fine = _policy_keys(r["summary"])
             v = values[r["dir"]]
             ref_act = _mean_std(none_act.get(coarse, []))[0]
             ref_step = _mean_std(none_step.get(fine, []))[0]
             v["act_vs_none"] = v["act_MiB_per_seq"] / ref_act if ref_act else float("nan")
-            v["step_time_vs_none"] = v["step_time_ms"] / ref_step if ref_step else float("nan")
+            same = _same_step_ratio(r, none_runs.get(fine, []))
+            v["step_time_vs_none"] = same if same is not None else (
+                v["step_time_ms"] / ref_step if ref_step else float("nan"))
 
     measured = [c for c, *_ in MEASURED] + list(metric_names.values()) + ["final_loss"]
     scaling = bool(base) and any(r["summary"]["world_size"] != base_ws for r in runs)
@@ -505,7 +536,9 @@ def _caption(runs: Sequence[dict], table: pd.DataFrame, base: list[dict], base_s
                                       f"world sizes differ." if scaling else "."))
     if policy_columns:
         lines.append("act_vs_none, step_time_vs_none: ratio to grad_ckpt none with otherwise equal "
-                     "settings (step time: same batch and world size).")
+                     "settings (step time: same batch and world size; where both runs logged the same steady "
+                     "steps with the same seed, the median of per-step ratios over those steps, so both sides "
+                     "time the same batches).")
     return lines
 
 
