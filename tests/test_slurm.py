@@ -167,7 +167,10 @@ def test_walltime_stop_then_resubmit_finishes_equal_to_an_uninterrupted_run(slur
     """A 1-minute walltime job that needs longer stops itself at the job deadline (walltime - margin)
     with a complete checkpoint and exit 0; submitting the same command again resumes and finishes; the
     result equals an uninterrupted run of the same options (every loss, the final parameters)."""
-    train = ["--model", "bert-tiny", "--task", "synthetic", "--max-steps", "70", "--batch-size", "32",
+    # Enough steps that one job cannot finish them before its deadline (about 15 s of training) on a
+    # fast CPU (0.14 s/step seen) nor take many jobs on a slow one (0.3 s/step: 4 jobs).
+    n_steps = 160
+    train = ["--model", "bert-tiny", "--task", "synthetic", "--max-steps", str(n_steps), "--batch-size", "32",
              "--threads", "1", "--log-every", "1", "--checkpoint-steps", "25", "--no-do-eval"]
     run_dir = tmp_path / "run"
     cmd = ["--scheduler", "slurm", "--nodes", "1", "--gpus-per-node", "0", "--procs-per-node", "2",
@@ -177,12 +180,12 @@ def test_walltime_stop_then_resubmit_finishes_equal_to_an_uninterrupted_run(slur
     info = slurm_cluster.wait(first, timeout=120)
     assert (info["JobState"], info["ExitCode"]) == ("COMPLETED", "0:0"), job_output(tmp_path)
     s = read_summary(run_dir)
-    assert s["stopped_by"] == "job_deadline" and 0 < s["steps"] < 70, s["stopped_by"]
+    assert s["stopped_by"] == "job_deadline" and 0 < s["steps"] < n_steps, s["stopped_by"]
     assert CheckpointManager(run_dir / "checkpoints").latest().step == s["steps"]
 
-    # The same command again, until the run is done (two jobs at this machine's usual speed; the
-    # bound only keeps a slow machine from looping).
-    for _ in range(4):
+    # The same command again, until the run is done (2 to 4 jobs; the bound only keeps a stuck run
+    # from looping).
+    for _ in range(8):
         previous = s["steps"]
         job = submit(cmd, job_env, tmp_path)
         info = slurm_cluster.wait(job, timeout=120)
@@ -191,7 +194,7 @@ def test_walltime_stop_then_resubmit_finishes_equal_to_an_uninterrupted_run(slur
         assert s["resumed_from_step"] == previous and s["steps"] > previous
         if s["stopped_by"] == "max_steps":
             break
-    assert (s["stopped_by"], s["steps"]) == ("max_steps", 70)
+    assert (s["stopped_by"], s["steps"]) == ("max_steps", n_steps)
 
     straight = tmp_path / "straight"
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
@@ -201,6 +204,6 @@ def test_walltime_stop_then_resubmit_finishes_equal_to_an_uninterrupted_run(slur
     def losses(d):
         return [(m["step"], m["loss"]) for m in read_metrics(d)]
     assert losses(run_dir) == losses(straight)
-    a = torch.load(run_dir / "checkpoints" / "step-00000070" / "shared.pt", weights_only=False)["model"]
-    b = torch.load(straight / "checkpoints" / "step-00000070" / "shared.pt", weights_only=False)["model"]
+    a = torch.load(run_dir / "checkpoints" / f"step-{n_steps:08d}" / "shared.pt", weights_only=False)["model"]
+    b = torch.load(straight / "checkpoints" / f"step-{n_steps:08d}" / "shared.pt", weights_only=False)["model"]
     assert all(torch.equal(a[k], b[k]) for k in a)
