@@ -432,19 +432,17 @@ def build_table(runs: Sequence[dict], baseline: dict | Sequence[dict] | None = N
             v["scaling_eff"] = v["speedup"] / (ws / base_ws) if ws != base_ws else float("nan")
     if policy_columns:
         none_act: dict[str, list[float]] = {}
-        none_step: dict[str, list[float]] = {}
         none_runs: dict[str, list[dict]] = {}
         for r in runs:
             if r["summary"]["grad_ckpt"] == "none":
                 coarse, fine = _policy_keys(r["summary"])
                 none_act.setdefault(coarse, []).append(values[r["dir"]]["act_MiB_per_seq"])
-                none_step.setdefault(fine, []).append(values[r["dir"]]["step_time_ms"])
                 none_runs.setdefault(fine, []).append(r)
         for r in runs:
             coarse, fine = _policy_keys(r["summary"])
             v = values[r["dir"]]
             ref_act = _mean_std(none_act.get(coarse, []))[0]
-            ref_step = _mean_std(none_step.get(fine, []))[0]
+            ref_step = _mean_std(values[n["dir"]]["step_time_ms"] for n in none_runs.get(fine, []))[0]
             v["act_vs_none"] = v["act_MiB_per_seq"] / ref_act if ref_act else float("nan")
             same = _same_step_ratio(r, none_runs.get(fine, []))
             v["step_time_vs_none"] = same if same is not None else (
