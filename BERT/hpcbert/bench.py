@@ -10,14 +10,14 @@ step-time cost per policy, and an HTML report beside the run directories. About 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-from .config import RunConfig, parse_grad_ckpt
+from . import config
+from .config import parse_grad_ckpt
 
 # One epoch of the synthetic task (128 steps at batch 32), cut by the 50 s time box on a small CPU:
 # the LR schedule (10% warm-up) is that of the epoch, so even a short box trains at full LR.
@@ -26,32 +26,16 @@ DEFAULT_POLICIES = "none,alternate,all"
 
 
 def add_options(p: argparse.ArgumentParser) -> None:
-    from .cli import add_run_options
-
-    add_run_options(p, defaults=DEFAULTS)
+    config.add_arguments(p, defaults=DEFAULTS)
     p.add_argument("--policies", default=DEFAULT_POLICIES,
                    help=f"comma-separated checkpointing policies, one run each (default: {DEFAULT_POLICIES})")
 
 
-def config_to_argv(cfg: RunConfig) -> list[str]:
-    """The `hpcbert train` options that reproduce `cfg` exactly."""
-    argv = []
-    for f in dataclasses.fields(RunConfig):
-        value = getattr(cfg, f.name)
-        flag = "--" + f.name.replace("_", "-")
-        if isinstance(value, bool):
-            argv.append(flag if value else "--no-" + f.name.replace("_", "-"))
-        elif value is not None:
-            argv += [flag, str(value)]
-    return argv
-
-
 def run(ns: argparse.Namespace) -> int:
-    from .cli import config_from_args
     from .report import bench_report
 
     policies = [parse_grad_ckpt(p) for p in ns.policies.split(",") if p.strip()]
-    base = config_from_args(ns)
+    base = config.from_namespace(ns)
     bench_dir = Path(base.out or f"runs/bench-{time.strftime('%Y%m%d-%H%M%S')}")
     env = dict(os.environ)
     pkg_root = str(Path(__file__).resolve().parent.parent)
@@ -60,7 +44,7 @@ def run(ns: argparse.Namespace) -> int:
     for policy in policies:
         cfg = base.replace(grad_ckpt=policy, out=str(bench_dir / policy.replace(":", "")))
         print(f"[hpcbert bench] grad_ckpt={policy} -> {cfg.out}", file=sys.stderr, flush=True)
-        proc = subprocess.run([sys.executable, "-m", "hpcbert.cli", "train", *config_to_argv(cfg)], env=env)
+        proc = subprocess.run([sys.executable, "-m", "hpcbert.cli", "train", *config.to_argv(cfg)], env=env)
         if proc.returncode != 0:
             print(f"[hpcbert bench] run {cfg.out} failed with exit code {proc.returncode}", file=sys.stderr)
             return proc.returncode

@@ -33,7 +33,7 @@ MANIFEST = "MANIFEST.json"
 _NAME = re.compile(r"^step-(\d{8})$")
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(ValueError):
     """A checkpoint that is incomplete or damaged; the message names the file."""
 
 

@@ -7,9 +7,12 @@ construction and names the field and the accepted values. The resolved config is
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import os
 import re
+import types
+import typing
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -252,3 +255,64 @@ def field_help() -> dict[str, str]:
         if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
             out[node.target.id] = str(nxt.value.value)  # type: ignore[attr-defined]
     return out
+
+
+# --- command-line plumbing: RunConfig <-> argparse options <-> argv, in one place ---------------
+
+_DURATIONS = ("time_budget", "checkpoint_every")  # given as text ('20m'), parsed by the config
+
+
+def _base_type(tp: Any) -> Any:
+    """'int | None' -> int (annotations are strings under `from __future__ import annotations`)."""
+    if isinstance(tp, str):
+        tp = eval(tp, vars(typing), {})  # noqa: S307 - our own annotations, not user input
+    args = [a for a in typing.get_args(tp) if a is not type(None)]
+    if typing.get_origin(tp) in (typing.Union, types.UnionType) and len(args) == 1:
+        return args[0]
+    return tp
+
+
+def add_arguments(parser: argparse.ArgumentParser, defaults: dict[str, Any] | None = None) -> None:
+    """One --option per RunConfig field; help from the field's docstring ('%' escaped for argparse)."""
+    helps = field_help()
+    defaults = defaults or {}
+    for f in fields(RunConfig):
+        flag = "--" + f.name.replace("_", "-")
+        default = defaults.get(f.name, f.default)
+        tp = _base_type(f.type)
+        text = helps.get(f.name, "").replace("%", "%%")
+        if tp is bool:
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=text)
+        elif f.name in _DURATIONS:
+            parser.add_argument(flag, type=str, default=default, help=f"{text} (default: {default})")
+        else:
+            parser.add_argument(flag, type=tp, default=default, help=f"{text} (default: {default})")
+
+
+def from_namespace(ns: argparse.Namespace) -> RunConfig:
+    """The RunConfig an argparse namespace (from `add_arguments`) describes."""
+    return RunConfig(**{f.name: getattr(ns, f.name) for f in fields(RunConfig)})
+
+
+def to_argv(values: RunConfig | dict[str, Any]) -> list[str]:
+    """The `hpcbert train` options that give these values: a whole RunConfig (reproduces it
+    exactly), or a partial {field: value} dict such as a preset. None values are left out."""
+    items = values.to_dict().items() if isinstance(values, RunConfig) else values.items()
+    known = {f.name for f in fields(RunConfig)}
+    argv: list[str] = []
+    for name, value in items:
+        if name not in known:
+            raise ValueError(f"config: unknown field {name!r}; known: {', '.join(sorted(known))}")
+        flag = "--" + name.replace("_", "-")
+        if isinstance(value, bool):
+            argv.append(flag if value else "--no-" + name.replace("_", "-"))
+        elif value is not None:
+            argv += [flag, format(value) if not isinstance(value, float) else repr(value)]
+    return argv
+
+
+def parse_argv(argv: list[str], defaults: dict[str, Any] | None = None) -> RunConfig:
+    """`hpcbert train` options -> RunConfig (argparse errors exit 2 with the usage line)."""
+    p = argparse.ArgumentParser(prog="hpcbert train", add_help=False)
+    add_arguments(p, defaults)
+    return from_namespace(p.parse_args(argv))

@@ -70,14 +70,9 @@ PRESETS = {
 
 def preset_argv(train: dict) -> list[str]:
     """{'batch_size': 24, 'compile': True} -> ['--batch-size', '24', '--compile']."""
-    argv: list[str] = []
-    for name, value in train.items():
-        flag = "--" + name.replace("_", "-")
-        if isinstance(value, bool):
-            argv.append(flag if value else "--no-" + name.replace("_", "-"))
-        else:
-            argv += [flag, str(value)]
-    return argv
+    from ..config import to_argv
+
+    return to_argv(train)
 
 
 @dataclass
@@ -172,10 +167,10 @@ def validate(spec: JobSpec) -> None:
 def check_train_args(argv: list[str]):
     """Parse the train options as `hpcbert train` would, so a typo fails now rather than after the
     queue wait. Returns the RunConfig."""
-    from ..cli import add_run_options, config_from_args
+    from .. import config
 
     p = argparse.ArgumentParser(prog="hpcbert submit ... --", add_help=False, exit_on_error=False)
-    add_run_options(p)
+    config.add_arguments(p)
     try:
         ns, unknown = p.parse_known_args(argv)
     except argparse.ArgumentError as e:
@@ -183,7 +178,7 @@ def check_train_args(argv: list[str]):
     if unknown:
         raise ValueError(f"train options: not `hpcbert train` options: {' '.join(unknown)} "
                          f"(see hpcbert train --help)")
-    return config_from_args(ns)
+    return config.from_namespace(ns)
 
 
 # --- rendering ---------------------------------------------------------------------------------
