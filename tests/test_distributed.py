@@ -269,7 +269,12 @@ def test_auto_batch_on_a_gpu_fits_and_grows_with_checkpointing():
     for policy in ("none", "all"):
         model = BertForSequenceClassification(type(src.config)(**{**src.config.to_dict(), "num_labels": 2})).to(dev)
         policies.apply_grad_ckpt(model, policy)
-        sizes[policy] = batching.probe_max_batch(model, 512, amp, dev, limit=2048)
+        def loss_of(b: int, model=model) -> torch.Tensor:
+            ids = torch.randint(0, model.config.vocab_size, (b, 512), device=dev)
+            with amp():
+                return model.loss_sum(model(ids, None, torch.zeros_like(ids)), torch.zeros(b, dtype=torch.long, device=dev))
+
+        sizes[policy] = batching.probe_max_batch(model, loss_of, dev, limit=2048)
         del model
         torch.cuda.empty_cache()
     assert 1 <= sizes["none"] < sizes["all"]

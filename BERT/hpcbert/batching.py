@@ -41,7 +41,7 @@ class BatchPlan:
         per = f"{b[0]}/device x {len(b)} ranks" if len(set(b)) == 1 else f"per-rank {'+'.join(map(str, b))}"
         return (f"{train_examples} train examples; batch {per} x {self.grad_accum} accum = {self.global_batch} "
                 f"global; {self.steps_per_epoch} steps/epoch, {self.total_steps} steps ({self.warmup_steps} "
-                f"warm-up); lr {self.lr:g} (scaling {self.lr_scaling})")
+                f"of LR warm-up); lr {self.lr:g} (scaling {self.lr_scaling})")
 
 
 def plan(cfg: RunConfig, train_examples: int, per_rank: list[int]) -> BatchPlan:
@@ -88,30 +88,26 @@ def largest_that_fits(fits, limit: int) -> int:
     return lo
 
 
-def probe_max_batch(model: torch.nn.Module, seq_len: int, amp, device: torch.device, limit: int = 4096,
+def probe_max_batch(model: torch.nn.Module, loss_of, device: torch.device, limit: int = 4096,
                     reserve_factor: float = 3.0, margin: float = 0.9) -> int:
-    """Largest micro-batch whose forward + backward at `seq_len` fits this GPU, with the model as
-    it will train (checkpointing policy applied). Doubles until out of memory, then bisects.
+    """Largest micro-batch whose forward + backward fits this GPU, with the model as it will train
+    (checkpointing policy applied); `loss_of(b)` runs the objective's forward and loss on a batch
+    of b sequences at the run's longest length. Doubles until out of memory, then bisects.
 
     Memory that training adds later is held during the probe: `reserve_factor` x parameter
     bytes (AdamW's two moments + DDP's gradient buckets). The result keeps `margin` of the
     largest size that fit, for fragmentation and length variation."""
     assert device.type == "cuda"
     param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    vocab = model.config.vocab_size
 
     def fits(b: int) -> bool:
         reserve = None
         try:
             reserve = torch.empty(int(reserve_factor * param_bytes), dtype=torch.uint8, device=device)
-            ids = torch.randint(0, vocab, (b, seq_len), device=device)
-            labels = torch.zeros(b, dtype=torch.long, device=device)
-            with amp():
-                loss = model.loss_sum(model(ids, None, torch.zeros_like(ids)), labels)
-            loss.backward()
+            loss_of(b).backward()
             torch.cuda.synchronize(device)
             return True
-        except torch.OutOfMemoryError:
+        except torch.cuda.OutOfMemoryError:  # torch.OutOfMemoryError is torch >= 2.5 only
             return False
         finally:
             del reserve
@@ -124,6 +120,6 @@ def probe_max_batch(model: torch.nn.Module, seq_len: int, amp, device: torch.dev
     model.train(was_training)
     torch.cuda.reset_peak_memory_stats(device)
     if lo == 0:
-        raise ValueError(f"per_rank_batch auto: not even one sequence of {seq_len} tokens fits on {device}; "
+        raise ValueError(f"per_rank_batch auto: not even one sequence fits on {device}; "
                          f"use --grad-ckpt all, a shorter --max-seq-length or a smaller model")
     return max(1, int(lo * margin))

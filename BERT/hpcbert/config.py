@@ -21,6 +21,7 @@ PRECISIONS = ("auto", "fp32", "bf16", "fp16")
 OPTIMIZERS = ("adamw", "lamb")
 SAMPLERS = ("random", "length-grouped", "sequential")
 LR_SCALINGS = ("none", "linear", "sqrt")
+LR_HORIZONS = ("steps", "time-budget")
 
 
 def parse_duration(text: str | float | int | None, what: str = "duration") -> float | None:
@@ -121,6 +122,8 @@ class RunConfig:
     """Decoupled weight decay (not applied to biases and LayerNorm weights)."""
     warmup_ratio: float = 0.1
     """Fraction of optimizer steps of linear warm-up, followed by linear decay to zero."""
+    lr_horizon: str = "steps"
+    """Where the linear LR decay reaches zero: steps (the planned --epochs / --max-steps) or time-budget (the last step predicted to fit in --time-budget, from the step time measured over the first steps; recorded in the summary). A run cut by its time box should use time-budget, or it is evaluated near its peak LR."""
     max_grad_norm: float = 1.0
     """Clip the global gradient norm to this value (0 disables)."""
     epochs: float = 3.0
@@ -183,6 +186,7 @@ class RunConfig:
         _choice("optimizer", self.optimizer, OPTIMIZERS)
         _choice("sampler", self.sampler, SAMPLERS)
         _choice("lr_scaling", self.lr_scaling, LR_SCALINGS)
+        _choice("lr_horizon", self.lr_horizon, LR_HORIZONS)
         self.time_budget = parse_duration(self.time_budget, "time_budget")
         self.checkpoint_every = parse_duration(self.checkpoint_every, "checkpoint_every")
         if self.checkpoint_steps is not None and self.checkpoint_steps < 1:
@@ -208,6 +212,9 @@ class RunConfig:
             raise ValueError(f"warmup_ratio: must be in [0, 1), got {self.warmup_ratio}")
         if self.dropout is not None and not 0 <= self.dropout < 1:
             raise ValueError(f"dropout: must be in [0, 1), got {self.dropout}")
+        if self.lr_horizon == "time-budget" and not self.time_budget:
+            raise ValueError("lr_horizon: 'time-budget' fits the LR decay to --time-budget; give one "
+                             "(e.g. --time-budget 20m) or use --lr-horizon steps")
         if self.task != "synthetic" and not self.data_dir:
             raise ValueError(f"data_dir: task {self.task!r} reads GLUE files; pass --data-dir GLUE_DIR "
                              f"(or use --task synthetic)")

@@ -17,6 +17,7 @@ import os
 import socket
 import time
 from dataclasses import dataclass
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -195,6 +196,8 @@ def _missing_message(who: str, rank: int, missing: str, timeout_s: float, where:
             f"is right.")
 
 
+# --- the collectives the trainer needs (all of them live here) -----------------------------------
+
 def all_gather_ints(d: Dist, value: int) -> list[int]:
     """Every rank's `value`, in rank order (one small collective)."""
     if not d.active:
@@ -203,6 +206,93 @@ def all_gather_ints(d: Dist, value: int) -> list[int]:
     t[d.rank] = int(value)
     dist.all_reduce(t)
     return [int(x) for x in t.tolist()]
+
+
+def all_gather_floats(d: Dist, value: float) -> list[float]:
+    """Every rank's `value`, in rank order (one small collective)."""
+    if not d.active:
+        return [float(value)]
+    t = torch.zeros(d.world_size, dtype=torch.float64, device=d.device)
+    t[d.rank] = float(value)
+    dist.all_reduce(t)
+    return [float(x) for x in t.tolist()]
+
+
+def all_gather_objects(d: Dist, obj: Any) -> list[Any]:
+    """Every rank's picklable `obj`, in rank order (evaluation: predictions of every rank)."""
+    if not d.active:
+        return [obj]
+    out: list[Any] = [None] * d.world_size
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def broadcast_object(d: Dist, obj: Any) -> Any:
+    """Rank 0's `obj` on every rank. Decisions about files are rank 0's (which run directory,
+    which checkpoint): on a shared file system with stale directory caches, ranks must not each
+    decide. An exception object broadcast this way is re-raised on every rank by the caller."""
+    if not d.active:
+        return obj
+    box = [obj if d.is_main else None]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def decide(d: Dist, fn: Callable[[], Any]) -> Any:
+    """Rank 0 runs `fn()`; every rank returns its result, or raises the error it raised, so a bad
+    --resume path or data file fails on every rank with rank 0's message (instead of leaving the
+    others waiting in a collective until the timeout)."""
+    if not d.active:
+        return fn()
+    result: Any = None
+    error: BaseException | None = None
+    if d.is_main:
+        try:
+            result = ("ok", fn())
+        except Exception as e:  # noqa: BLE001 - re-raised below, on every rank
+            error = e
+            result = ("error", e if isinstance(e, (ValueError, OSError)) else RuntimeError(f"rank 0: {e!r}"))
+    kind, value = broadcast_object(d, result)
+    if error is not None:
+        raise error
+    if kind == "error":
+        raise value
+    return value
+
+
+class Agreement:
+    """The one all-reduce per optimizer step: every value the ranks must agree on, summed.
+
+    A step posts a float64 vector (stop request, signals, save request, loss, non-finite
+    gradient, token counts, ...); values only rank 0 may set (its clock, its view of the stop file)
+    are zero elsewhere, so the sum is rank 0's value. On CUDA the vector is built and reduced on
+    the device without waiting for it; the host reads it `lag` steps later (one step behind by
+    default), while the next step already runs, so the device is never left idle. On CPU the
+    result is read at once (nothing to overlap)."""
+
+    def __init__(self, d: Dist, lag: int | None = None):
+        self.d = d
+        self.lag = (1 if d.device.type == "cuda" else 0) if lag is None else lag
+        self.pending: list[tuple[Any, torch.Tensor]] = []
+
+    def post(self, tag: Any, host: list[float], device_values: list[torch.Tensor] = ()) -> None:
+        """Start reducing `host` + `device_values` (0-dim tensors); `tag` comes back with the result."""
+        h = torch.tensor(host, dtype=torch.float64)
+        if self.d.device.type == "cuda":
+            h = h.pin_memory().to(self.d.device, non_blocking=True)  # no host wait for the copy
+        parts = [h] + [v.detach().to(torch.float64).reshape(1) for v in device_values]
+        vec = torch.cat(parts) if len(parts) > 1 else h
+        if self.d.active:
+            dist.all_reduce(vec)  # NCCL: stream-ordered, returns without waiting for the device
+        self.pending.append((tag, vec))
+
+    def ready(self, flush: bool = False) -> list[tuple[Any, list[float]]]:
+        """Results whose turn has come (all of them with flush=True), oldest first."""
+        out = []
+        while self.pending and (flush or len(self.pending) > self.lag):
+            tag, vec = self.pending.pop(0)
+            out.append((tag, vec.tolist()))  # CPU-GPU sync point, `lag` steps behind the device
+        return out
 
 
 def barrier(d: Dist) -> None:

@@ -8,14 +8,17 @@ excluded.
 
 from __future__ import annotations
 
+import json
 import os
 import platform
+import re
 import resource
 import socket
 import subprocess
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
@@ -71,14 +74,16 @@ class StepMeter:
         }
 
 
-def activation_bytes_per_sequence(model: nn.Module, seq_len: int, precision_ctx, device: torch.device) -> int:
-    """Bytes the forward pass saves for backward, per sequence of `seq_len` tokens.
+def activation_bytes_per_sequence(model: nn.Module, loss_of: Callable[[int], torch.Tensor],
+                                  device: torch.device) -> int:
+    """Bytes the forward pass saves for backward, per sequence.
 
-    Counts every tensor storage handed to autograd's saved-tensor hooks (each storage once,
-    parameters excluded) for a batch of 2 and a batch of 1, and returns the difference, which
-    cancels batch-independent tensors (autocast's weight copies, position ids). Gradient
-    checkpointing shows up here directly: a checkpointed layer saves only its input. The model
-    must be in training mode (dropout masks count). RNG state is restored afterwards.
+    `loss_of(b)` runs the objective's forward and loss (under the run's autocast) on b sequences
+    of the run's longest length. Counts every tensor storage handed to autograd's saved-tensor
+    hooks (each storage once, parameters excluded) for a batch of 2 and a batch of 1, and returns
+    the difference, which cancels batch-independent tensors (autocast's weight copies, position
+    ids). Gradient checkpointing shows up here directly: a checkpointed layer saves only its
+    input. The model must be in training mode (dropout masks count). RNG state is restored.
     """
     assert model.training, "measure activations in training mode"
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
@@ -96,12 +101,9 @@ def activation_bytes_per_sequence(model: nn.Module, seq_len: int, precision_ctx,
                 total += st.nbytes()
             return t
 
-        ids = torch.randint(1, model.config.vocab_size, (batch, seq_len), device=device)
-        labels = torch.zeros(batch, dtype=torch.long, device=device)
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), precision_ctx:
-            logits = model(ids, None, torch.zeros_like(ids))
-            loss = model.loss_sum(logits, labels)  # its saved tensors count too
-        del logits, loss
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss = loss_of(batch)  # the loss's own saved tensors count too
+        del loss
         return total
 
     devices = [device] if device.type == "cuda" else []
@@ -117,46 +119,95 @@ def peak_memory(device: torch.device) -> tuple[int, str]:
     return int(rss if platform.system() == "Darwin" else rss * 1024), "process_max_rss"
 
 
-# Dense (no sparsity) peak FLOP/s from the vendors' data sheets, SXM parts where both exist.
-GPU_PEAK_FLOPS = {
-    "H200": {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12},
-    "H100": {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12},
-    "A100": {"bf16": 312e12, "fp16": 312e12, "fp32": 19.5e12},
-    "L40S": {"bf16": 362e12, "fp16": 362e12, "fp32": 91.6e12},
-    "A10": {"bf16": 125e12, "fp16": 125e12, "fp32": 31.2e12},
-    "V100": {"fp16": 125e12, "fp32": 15.7e12},
-    "T4": {"fp16": 65e12, "fp32": 8.1e12},
-}
-_measured_peak: dict[tuple, float] = {}
+# Dense (no sparsity) peak FLOP/s from the vendors' data sheets, matched on the device name in
+# this order (the first pattern that matches wins, so "H100 PCIe" is not read as an SXM part and
+# "A10G" / "A100" are not read as an A10).
+GPU_PEAK_FLOPS: list[tuple[str, str, dict[str, float]]] = [
+    (r"H200", "H200", {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12}),
+    (r"H100.*NVL", "H100 NVL", {"bf16": 835e12, "fp16": 835e12, "fp32": 60e12}),
+    (r"H100.*PCIe", "H100 PCIe", {"bf16": 756e12, "fp16": 756e12, "fp32": 51e12}),
+    (r"H100", "H100 SXM", {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12}),
+    (r"A100", "A100", {"bf16": 312e12, "fp16": 312e12, "fp32": 19.5e12}),
+    (r"L40S", "L40S", {"bf16": 362e12, "fp16": 362e12, "fp32": 91.6e12}),
+    # No NVIDIA data sheet for the A10G (AWS g5); the figures commonly cited for it.
+    (r"A10G", "A10G", {"bf16": 70e12, "fp16": 70e12, "fp32": 31.2e12}),
+    (r"A10(?![0-9G])", "A10", {"bf16": 125e12, "fp16": 125e12, "fp32": 31.2e12}),
+    (r"V100", "V100", {"fp16": 125e12, "fp32": 15.7e12}),
+    (r"T4(?![0-9])", "T4", {"fp16": 65e12, "fp32": 8.1e12}),
+]
 
 
-def peak_flops(device: torch.device, precision: str) -> tuple[float | None, str]:
-    """Peak FLOP/s at `precision`: a data-sheet table for GPUs; on CPU, measured with a large
-    matmul at the current thread count (the honest ceiling of this machine)."""
+def gpu_peak_flops(name: str, precision: str) -> tuple[float | None, str]:
+    """(peak FLOP/s, source) for a CUDA device name such as 'NVIDIA H100 PCIe'."""
+    for pattern, label, table in GPU_PEAK_FLOPS:
+        if re.search(pattern, name):
+            value = table.get(precision)
+            source = "figure commonly cited (no data sheet)" if label == "A10G" else "data sheet"
+            return value, (f"{source}, {label} {precision}" if value else f"no {precision} peak known for {name}")
+    return None, f"no peak known for {name}"
+
+
+def _peak_cache_path() -> Path:
+    return Path(os.environ.get("HPCBERT_CACHE") or Path.home() / ".cache" / "hpcbert") / "peak_flops.json"
+
+
+def measure_cpu_peak(dtype: torch.dtype, n: int = 1024, trials: int = 5) -> float:
+    """FLOP/s of an n x n matmul at the current thread count: the fastest of `trials` (a peak is the
+    best the machine can do, so a trial slowed by other work on a shared machine does not lower it)."""
+    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+    a @ b  # warm-up
+    rates = []
+    for _ in range(trials):
+        reps, t0 = 0, time.perf_counter()
+        while reps < 2 or time.perf_counter() - t0 < 0.1:
+            a @ b
+            reps += 1
+        rates.append(2 * n ** 3 * reps / (time.perf_counter() - t0))
+    return max(rates)
+
+
+def peak_flops(device: torch.device, precision: str, refresh: bool = False) -> tuple[float | None, str]:
+    """Peak FLOP/s at `precision`: a data-sheet table for GPUs; on CPU a 1024^2 matmul measured once
+    per machine and cached with the hardware description (CPU model, cores this process may use,
+    threads, dtype, torch version) in $HPCBERT_CACHE/peak_flops.json, so every run on the machine -
+    the three runs of a bench, a rank of a DDP run - divides by the same peak. `refresh` measures
+    again and keeps the larger (`hpcbert bench` does, once, before its runs): contention can only
+    lower a measurement, so the cached peak only moves up towards the machine's real one."""
     if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-        for key, table in GPU_PEAK_FLOPS.items():
-            if key in name:
-                value = table.get(precision)
-                return value, (f"data sheet, {key} {precision}" if value else f"no {precision} peak known for {name}")
-        return None, f"no peak known for {name}"
+        return gpu_peak_flops(torch.cuda.get_device_name(device), precision)
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
-    key = (dtype, torch.get_num_threads())
-    if key not in _measured_peak:
-        # A peak is the best the machine can do: the fastest of 5 trials, so a trial slowed by other
-        # work on a shared machine does not lower it (which would inflate MFU).
-        n = 1024
-        a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
-        a @ b  # warm-up
-        rates = []
-        for _ in range(5):
-            reps, t0 = 0, time.perf_counter()
-            while reps < 2 or time.perf_counter() - t0 < 0.1:
-                a @ b
-                reps += 1
-            rates.append(2 * n ** 3 * reps / (time.perf_counter() - t0))
-        _measured_peak[key] = max(rates)
-    return _measured_peak[key], f"measured {1024}x{1024} {precision} matmul, best of 5, {torch.get_num_threads()} threads"
+    threads = torch.get_num_threads()
+    key = f"{cpu_name()}|cores={len(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else os.cpu_count()}" \
+          f"|threads={threads}|{precision}|torch={torch.__version__}"
+    path = _peak_cache_path()
+    try:
+        cache = json.loads(path.read_text())
+        if not isinstance(cache, dict):
+            cache = {}
+    except (OSError, ValueError):
+        cache = {}
+    entry = cache.get(key)
+    valid = isinstance(entry, dict) and isinstance(entry.get("flops"), (int, float)) and entry["flops"] > 0
+    if not valid or refresh:
+        fresh = measure_cpu_peak(dtype)
+        if valid and entry["flops"] >= fresh:
+            return float(entry["flops"]), _cpu_source(precision, threads, entry["measured"], path)
+        entry = {"flops": fresh, "measured": time.strftime("%Y-%m-%dT%H:%M:%S"),
+                 "load_average_1m": os.getloadavg()[0] if hasattr(os, "getloadavg") else None}
+        cache[key] = entry
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(cache, indent=1, sort_keys=True))
+            os.replace(tmp, path)  # atomic: concurrent runs see the old file or the new one
+        except OSError:
+            pass  # a read-only home: the peak is still measured, just not shared
+    return float(entry["flops"]), _cpu_source(precision, threads, entry["measured"], path)
+
+
+def _cpu_source(precision: str, threads: int, when: str, path: Path) -> str:
+    return (f"measured 1024x1024 {precision} matmul, best of 5, {threads} threads, on {when} "
+            f"(shared by every run on this machine: {path})")
 
 
 def cpu_name() -> str:

@@ -35,6 +35,7 @@ class BertConfig:
     initializer_range: float = 0.02
     pad_token_id: int = 0
     num_labels: int = 2  # 1 = regression (MSE loss)
+    classifier_dropout: float | None = None  # dropout before the classifier; None = hidden_dropout_prob (HF)
 
     def __post_init__(self) -> None:
         if self.hidden_size % self.num_attention_heads:
@@ -45,14 +46,30 @@ class BertConfig:
 
     @classmethod
     def from_json(cls, path: str | Path, **overrides) -> "BertConfig":
+        return cls.read_json(path, **overrides)[0]
+
+    @classmethod
+    def read_json(cls, path: str | Path, **overrides) -> tuple["BertConfig", list[str]]:
+        """An HF config.json -> (config, names of the keys it holds that this model does not use).
+
+        Keys that would change the maths in a way this model does not implement are refused,
+        naming the key; the others it does not know (architectures, model_type, torch_dtype, ...)
+        are returned so the caller can say they were ignored."""
         raw = json.loads(Path(path).read_text())
-        known = {f.name for f in fields(cls)}
-        cfg = {k: v for k, v in raw.items() if k in known}
         if raw.get("position_embedding_type", "absolute") != "absolute":
             raise ValueError(f"{path}: position_embedding_type {raw['position_embedding_type']!r} "
                              f"is not supported (only 'absolute')")
+        for key in ("is_decoder", "add_cross_attention"):
+            if raw.get(key):
+                raise ValueError(f"{path}: {key}=true is not supported (an encoder-only BERT)")
+        if "num_labels" not in raw and isinstance(raw.get("id2label"), dict):
+            raw["num_labels"] = len(raw["id2label"])  # HF keeps the label count only as id2label
+        known = {f.name for f in fields(cls)}
+        cfg = {k: v for k, v in raw.items() if k in known}
+        harmless = {"position_embedding_type", "is_decoder", "add_cross_attention", "id2label", "label2id"}
+        ignored = sorted(k for k in raw if k not in known and k not in harmless)
         cfg.update(overrides)
-        return cls(**cfg)
+        return cls(**cfg), ignored
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -188,7 +205,7 @@ class BertForSequenceClassification(nn.Module):
         super().__init__()
         self.config = c
         self.bert = BertModel(c)
-        self.dropout = nn.Dropout(c.hidden_dropout_prob)
+        self.dropout = nn.Dropout(c.hidden_dropout_prob if c.classifier_dropout is None else c.classifier_dropout)
         self.classifier = nn.Linear(c.hidden_size, c.num_labels)
         self.apply(self._init_weights)
 

@@ -5,7 +5,7 @@
     RUN_DIR/summary.json    one JSON object written at the end (SUMMARY_KEYS), schema_version first
 
 Only rank 0 writes these files. Writes are atomic (temporary file + fsync + rename) so a reader
-never sees half a file. `train.py` writes them, `report.py` reads them; both use this module.
+never sees half a file. `train.py` writes them, `report/` reads them; both use this module.
 """
 
 from __future__ import annotations
@@ -31,12 +31,15 @@ SUMMARY_KEYS: dict[str, str] = {
     "hidden_size": "hidden width",
     "max_seq_length": "truncation length",
     "precision": "resolved precision actually used (fp32, bf16, fp16)",
+    "tf32": "fp32 matmuls on TF32 tensor cores (CUDA, compute capability >= 8.0)",
     "compile": "torch.compile used",
     "grad_ckpt": "gradient checkpointing policy",
     "ckpt_layers": "indices of checkpointed encoder layers",
     "optimizer": "adamw or lamb",
     "lr": "peak learning rate after scaling",
     "lr_scaling": "learning-rate scaling with world size: none, linear or sqrt",
+    "lr_horizon_steps": "optimizer step at which the linear LR decay reaches zero",
+    "lr_horizon_source": "how that step was chosen: the planned steps, or fitted to the time budget (with the step time it used)",
     "seed": "seed",
     "world_size": "number of processes",
     "nodes": "number of nodes",
@@ -48,6 +51,7 @@ SUMMARY_KEYS: dict[str, str] = {
     "steps": "optimizer steps run",
     "epochs_done": "epochs covered (fractional)",
     "sequences": "training sequences processed",
+    "nonfinite_grad_steps": "optimizer steps whose gradient norm was inf or nan (fp16: skipped by the loss scaler)",
     "resumed_from_step": "step of the checkpoint this segment resumed from (null: not resumed)",
     "startup_s": "seconds from process start to the first training step",
     "train_s": "seconds from the first step's start to the last step's end (logging, checkpoints included)",
@@ -130,14 +134,56 @@ class RunDirError(ValueError):
     """A directory that is not a readable hpcbert run; the message names the run and what is wrong."""
 
 
-def read_json_object(path: Path) -> dict[str, Any]:
-    """A JSON file holding one object; RunDirError names the file otherwise."""
+def one_line(text: str, limit: int = 200) -> str:
+    """`text` for a one-line message: line breaks and other control characters escaped, at most
+    `limit` characters (an ellipsis marks a cut)."""
+    text = "".join(c if c.isprintable() or c == " " else repr(c)[1:-1] for c in text)
+    return text if len(text) <= limit else text[:limit - 1] + "…"
+
+
+def is_real(v: Any) -> bool:
+    """A JSON number (not a boolean) that converts to a float: NaN and infinity included, an
+    integer beyond the float range not."""
+    if not isinstance(v, (int, float)) or isinstance(v, bool):
+        return False
     try:
-        obj = json.loads(path.read_text())
+        float(v)
+    except OverflowError:
+        return False
+    return True
+
+
+def short_repr(value: Any, limit: int = 80) -> str:
+    """repr(value) for an error message: one line, at most `limit` characters."""
+    return one_line(repr(value), limit)
+
+
+def _decode_json(data: bytes, where: str) -> Any:
+    """One JSON document from UTF-8 bytes; RunDirError naming `where` (file, or file:line) otherwise."""
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise RunDirError(f"{where}: not UTF-8 text (byte {e.start}: {short_repr(data[e.start:e.start + 4])})") from e
+    try:
+        return json.loads(text)
     except json.JSONDecodeError as e:
-        raise RunDirError(f"{path}: not valid JSON ({e})") from e
+        raise RunDirError(f"{where}: not valid JSON ({one_line(str(e))})") from e
+    except RecursionError as e:
+        raise RunDirError(f"{where}: not readable JSON (nested too deeply)") from e
+    except ValueError as e:  # e.g. an integer literal longer than int's digit limit
+        raise RunDirError(f"{where}: not readable JSON ({one_line(str(e))})") from e
+
+
+def read_json_object(path: Path) -> dict[str, Any]:
+    """A UTF-8 JSON file holding one object; RunDirError (one line, naming the file) otherwise."""
+    path = Path(path)
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise RunDirError(f"{path}: cannot be read ({one_line(e.strerror or str(e))})") from e
+    obj = _decode_json(data, str(path))
     if not isinstance(obj, dict):
-        raise RunDirError(f"{path}: expected a JSON object")
+        raise RunDirError(f"{path}: expected a JSON object, found {type(obj).__name__}")
     return obj
 
 
@@ -149,8 +195,8 @@ def read_summary(run_dir: str | os.PathLike) -> dict[str, Any]:
         raise RunDirError(f"{run_dir}: not an hpcbert run (no summary.json)")
     summary = read_json_object(path)
     version = summary.get("schema_version")
-    if version != SCHEMA_VERSION:
-        raise RunDirError(f"{path}: schema_version {version!r} is not supported "
+    if version != SCHEMA_VERSION or isinstance(version, bool):
+        raise RunDirError(f"{path}: schema_version {short_repr(version)} is not supported "
                           f"(this hpcbert reads version {SCHEMA_VERSION})")
     missing = [k for k in SUMMARY_KEYS if k not in summary]
     if missing:
@@ -158,18 +204,29 @@ def read_summary(run_dir: str | os.PathLike) -> dict[str, Any]:
     return summary
 
 
-def read_metrics(run_dir: str | os.PathLike) -> list[dict[str, Any]]:
-    """Read RUN_DIR/metrics.jsonl; a malformed line is an error naming file and line."""
+def read_metrics(run_dir: str | os.PathLike, required: tuple[str, ...] = ()) -> list[dict[str, Any]]:
+    """Read RUN_DIR/metrics.jsonl (none: no records). Each non-blank line must be a JSON object
+    holding the `required` keys; `step`, where present, a non-negative integer, and the other
+    METRIC_KEYS numbers or null. RunDirError names file and line otherwise."""
     path = Path(run_dir) / "metrics.jsonl"
     if not path.is_file():
         return []
     out = []
-    with open(path) as f:
+    with open(path, "rb") as f:
         for i, line in enumerate(f, 1):
             if not line.strip():
                 continue
-            try:
-                out.append(json.loads(line))
-            except json.JSONDecodeError as e:
-                raise RunDirError(f"{path}:{i}: not valid JSON ({e})") from e
+            rec = _decode_json(line, f"{path}:{i}")
+            if not isinstance(rec, dict):
+                raise RunDirError(f"{path}:{i}: expected a JSON object, found {type(rec).__name__}")
+            missing = [k for k in required if k not in rec]
+            if missing:
+                raise RunDirError(f"{path}:{i}: missing key(s) {', '.join(missing)}")
+            for key in METRIC_KEYS:
+                v = rec.get(key)
+                if key == "step" and key in rec and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
+                    raise RunDirError(f"{path}:{i}: step is {short_repr(v)}; expected a non-negative integer")
+                if v is not None and not is_real(v):
+                    raise RunDirError(f"{path}:{i}: {key} is {short_repr(v)}; expected a number or null")
+            out.append(rec)
     return out

@@ -8,8 +8,10 @@ steps with a consistent state to checkpoint. The trainer makes every rank agree 
   segments of a resumed run;
 - job deadline (`HPCBERT_JOB_DEADLINE`, epoch seconds, exported by the generated job scripts as
   job start + walltime - margin): PBS gives no warning before its SIGTERM, so the job keeps its own;
-- stop file (`HPCBERT_STOP_FILE`): the job script's USR1/TERM trap touches it, so the launcher
-  never has to survive a non-TERM signal (hpc-lab NOTES §3.3);
+- stop file: `RUN_DIR/STOP` for any run (`touch RUN_DIR/STOP` stops it at the next step boundary,
+  with a checkpoint), and `HPCBERT_STOP_FILE` where a job script names another; the job script's
+  USR1/TERM trap touches it, so the launcher never has to survive a non-TERM signal (hpc-lab
+  NOTES §3.3). Only rank 0 looks at the files and the clock; the trainer tells the others;
 - SIGTERM / SIGUSR1 / SIGINT delivered to the worker: the handler only sets a flag, so it is
   idempotent (workers under Slurm + torchrun receive SIGTERM 3-4 times).
 """
@@ -26,21 +28,21 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 
 class StopConditions:
     def __init__(self, budget_deadline: float | None, job_deadline: float | None = None,
-                 stop_file: str | os.PathLike | None = None):
+                 stop_file: str | os.PathLike | None = None, run_dir: str | os.PathLike | None = None):
         self.budget_deadline = budget_deadline
         self.job_deadline = job_deadline
-        self.stop_file = Path(stop_file) if stop_file else None
+        self.stop_files = [Path(p) for p in (stop_file, Path(run_dir) / "STOP" if run_dir else None) if p]
         self.signal_received: int | None = None
         self._previous: dict[int, object] = {}
 
     @classmethod
-    def from_env(cls, budget_deadline: float | None) -> "StopConditions":
+    def from_env(cls, budget_deadline: float | None, run_dir: str | os.PathLike | None = None) -> "StopConditions":
         raw = os.environ.get("HPCBERT_JOB_DEADLINE")
         try:
             job_deadline = float(raw) if raw else None
         except ValueError as e:
             raise ValueError(f"environment: HPCBERT_JOB_DEADLINE={raw!r} is not epoch seconds") from e
-        return cls(budget_deadline, job_deadline, os.environ.get("HPCBERT_STOP_FILE") or None)
+        return cls(budget_deadline, job_deadline, os.environ.get("HPCBERT_STOP_FILE") or None, run_dir)
 
     def install_signal_handlers(self) -> None:
         def handler(signum, frame):  # only a flag: safe to receive any number of times
@@ -58,7 +60,7 @@ class StopConditions:
         """Why to stop before the next step (expected to take next_step_s), or None."""
         if self.signal_received is not None:
             return "signal"
-        if self.stop_file is not None and self.stop_file.exists():
+        if any(f.exists() for f in self.stop_files):
             return "stop_file"
         now = time.time()
         if self.job_deadline is not None and now + next_step_s > self.job_deadline:

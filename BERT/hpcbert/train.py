@@ -1,12 +1,20 @@
-"""The training run: set-up, the loop, evaluation, and the run directory it leaves.
+"""The training run: one loop for every objective.
 
-Read top to bottom: `train(cfg)` builds everything, runs `_loop`, evaluates, writes summary.json.
+`train(cfg)` starts distribution, builds a `Trainer` for the task's objective (objectives/), and
+runs it: restore (if resuming) -> fit (the loop) -> a final checkpoint -> evaluate -> summary.json.
+The Trainer knows no task by name: features, head, loss, predictions and metrics are the
+objective's; distribution, policies, batch arithmetic, time box, checkpoints and the run directory
+are the Trainer's, written once.
+
+Per optimizer step the ranks agree on everything they must (stop request, save request, loss for
+the log, non-finite gradients, token counts) through one all-reduce (`dist.Agreement`). Only rank 0
+reads the clock and the stop files; decisions about files (which run directory, which checkpoint)
+are rank 0's and reach the others by broadcast.
 """
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import sys
 import time
@@ -15,19 +23,20 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.distributed as tdist
 from torch import nn
 
-from . import PROCESS_START, __version__, batching, dist, meters, policies, zoo
-from .checkpoint import Checkpoint, CheckpointManager
+from . import PROCESS_START, __version__, batching, dist, meters, objectives, policies, zoo
+from .checkpoint import Checkpoint, CheckpointError, CheckpointManager
 from .config import RESUMABLE_CHANGES, RunConfig
-from .data.features import Features, collate, epoch_order, global_batches, shard
-from .data.metrics import accuracy, compute_metrics
-from .data.tasks import load_task_data
-from .model import BertForSequenceClassification, flops_per_sequence, load_pretrained
-from .optim import make_optimizer, warmup_linear
+from .data.features import Features, epoch_order, global_batches, shard
+from .model import flops_per_sequence, load_pretrained
+from .optim import make_optimizer
 from .runfiles import SCHEMA_VERSION, MetricsWriter, write_json_atomic
 from .stopping import REASONS, StopConditions
+
+# With --lr-horizon time-budget, the decay horizon is fitted once this many steps have run, from the
+# median time of the steps after the first (which pays for lazy initialisation).
+FIT_HORIZON_AFTER = 5
 
 
 def log(d: dist.Dist, msg: str) -> None:
@@ -38,27 +47,6 @@ def log(d: dist.Dist, msg: str) -> None:
 def default_run_dir(cfg: RunConfig) -> Path:
     model = Path(cfg.model).name
     return Path("runs") / f"{cfg.task}-{model}-{cfg.grad_ckpt.replace(':', '')}-{time.strftime('%Y%m%d-%H%M%S')}"
-
-
-def build_model(cfg: RunConfig, num_labels: int, d: dist.Dist) -> tuple[BertForSequenceClassification, zoo.ModelSource]:
-    src = zoo.resolve(cfg.model)
-    overrides = {"num_labels": num_labels}
-    if cfg.dropout is not None:
-        overrides.update(hidden_dropout_prob=cfg.dropout, attention_probs_dropout_prob=cfg.dropout)
-    mcfg = type(src.config)(**{**src.config.to_dict(), **overrides})
-    torch.manual_seed(cfg.seed)  # same initial head (and random model) on every rank
-    model = BertForSequenceClassification(mcfg)
-    if src.weights_dir is not None:
-        rep = load_pretrained(model, src.weights_dir)
-        if rep.unexpected:
-            log(d, f"weights: ignored checkpoint tensors not in the model: {', '.join(rep.unexpected)}")
-        if rep.mismatched:
-            log(d, f"weights: shape mismatch, freshly initialised: {', '.join(rep.mismatched)}")
-        if rep.missing:
-            log(d, f"weights: not in the checkpoint, freshly initialised: {', '.join(rep.missing)}")
-    else:
-        log(d, f"model {cfg.model}: RANDOM weights ({mcfg.num_hidden_layers} layers, {mcfg.hidden_size} wide), for throughput work")
-    return model.to(d.device), src
 
 
 @dataclass
@@ -74,6 +62,10 @@ class LoopState:
     elapsed_s: float = 0.0         # wall time of earlier segments (process start to their checkpoint);
                                    # it counts against the time box and the end-to-end rate
     resumed_from_step: int | None = None
+    nonfinite_steps: int = 0       # steps whose gradient norm was inf/nan (fp16: skipped by the scaler)
+    lr_horizon: int | None = None  # step at which the LR reaches 0 (fitted to the time box, or planned)
+    lr_warmup: int | None = None   # LR warm-up steps belonging to that horizon
+    lr_horizon_source: str | None = None
 
 
 @dataclass
@@ -81,6 +73,32 @@ class LoopResult:
     stopped_by: str
     first_step_start: float
     last_step_end: float
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """What the host knows of a step when it launches it; completed when its agreement arrives."""
+    step: int
+    start: float       # perf_counter at its first batch
+    sequences: int
+    lr: float
+    epoch: float
+
+
+class LRSchedule:
+    """LR multiplier: linear warm-up 0 -> 1 over `warmup` steps, then linear decay 1 -> 0 at `horizon`.
+    `refit` moves the horizon (and the warm-up with it) once, for a schedule fitted to the time box."""
+
+    def __init__(self, warmup: int, horizon: int):
+        self.warmup, self.horizon = warmup, horizon
+
+    def refit(self, warmup: int, horizon: int) -> None:
+        self.warmup, self.horizon = warmup, horizon
+
+    def __call__(self, step: int) -> float:
+        if step < self.warmup:
+            return (step + 1) / self.warmup
+        return max(0.0, (self.horizon - step) / max(1, self.horizon - self.warmup))
 
 
 class Progress:
@@ -108,155 +126,228 @@ class Progress:
             print(file=sys.stderr, flush=True)
 
 
-def _agree_reason(d: dist.Dist, reason: str | None) -> str | None:
-    """All ranks stop at the same step: the strongest reason any rank has stops everyone."""
-    if not d.active:
-        return reason
-    code = torch.tensor([REASONS.index(reason)], device=d.device)
-    tdist.all_reduce(code, op=tdist.ReduceOp.MAX)
-    return REASONS[int(code.item())]
-
-
-def _agree_flag(d: dist.Dist, flag: bool) -> bool:
-    if not d.active:
-        return flag
-    t = torch.tensor([1 if flag else 0], device=d.device)
-    tdist.all_reduce(t, op=tdist.ReduceOp.MAX)
-    return bool(t.item())
-
-
 def train(cfg: RunConfig) -> dict:
     """Run one training job and return its summary (rank 0 also writes the run directory)."""
     d = dist.init(cfg.threads, cfg.dist_timeout)
     try:
-        return _train(cfg, d)
+        return Trainer(cfg, d, objectives.get(cfg)).run()
     finally:
         dist.shutdown(d)
 
 
-def _train(cfg: RunConfig, d: dist.Dist) -> dict:
-    run_dir = Path(cfg.out) if cfg.out else default_run_dir(cfg)
-    cfg = cfg.replace(out=str(run_dir))
-    if d.is_main:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        write_json_atomic(run_dir / "config.json", cfg.to_dict())
+class Trainer:
+    """One run: distributed state, model + policies, optimizer, schedule, scaler, meters, loop
+    position and checkpoints. `run()` = restore -> fit -> save -> evaluate -> summary."""
 
-    # --- data and model ---
-    src = zoo.resolve(cfg.model)
-    if d.is_main:  # rank 0 tokenises (or reads the cache); the others wait and read the cache
-        data = load_task_data(cfg, src.vocab_dir, src.config.vocab_size)
-    dist.barrier(d)
-    if not d.is_main:
-        data = load_task_data(cfg, src.vocab_dir, src.config.vocab_size)
-    spec = data.spec
-    model, src = build_model(cfg, spec.num_labels, d)
-    precision = policies.resolve_precision(cfg.precision, d.device)
-    ckpt_layers = policies.apply_grad_ckpt(model, cfg.grad_ckpt)
-    amp = lambda: policies.autocast(precision, d.device)  # noqa: E731 - a fresh context each use
+    def __init__(self, cfg: RunConfig, d: dist.Dist, objective: objectives.Objective):
+        self.d, self.obj = d, objective
+        self.src = zoo.resolve(cfg.model)
+        # Files are rank 0's decisions: the run directory (a default one is timestamped) ...
+        self.run_dir = Path(dist.decide(d, lambda: str(Path(cfg.out) if cfg.out else default_run_dir(cfg))))
+        self.cfg = cfg = cfg.replace(out=str(self.run_dir))
+        # ... and the checkpoint to resume from, checked (sha256 once, on rank 0) before anything is loaded.
+        self.ckman = CheckpointManager(self.run_dir / "checkpoints", cfg.keep_last, d.rank, d.world_size,
+                                       lambda: dist.barrier(d))
+        self.resume_from: Checkpoint | None = dist.decide(d, self._find_checkpoint)
 
-    # --- batch arithmetic, stated once (batching.py): global = sum of per-rank batches x accumulation ---
-    per_rank = batching.per_rank_batches(
-        cfg, d, lambda: batching.probe_max_batch(model, cfg.max_seq_length, amp, d.device), lambda m: log(d, m))
-    bp = batching.plan(cfg, len(data.train), per_rank)
-    global_batch, total_steps, warmup_steps, lr = bp.global_batch, bp.total_steps, bp.warmup_steps, bp.lr
-    log(d, f"{spec.name}: {bp.describe(len(data.train))}; precision {precision}; "
-           f"grad_ckpt {cfg.grad_ckpt} (layers {ckpt_layers}); {d.world_size} process(es) on {d.nodes} node(s), "
-           f"backend {d.backend or 'none'}, {d.threads} thread(s) each")
+        self.train_set, self.dev = self._load_data()
+        self.raw = self._build_model()
+        self.precision = policies.resolve_precision(cfg.precision, d.device)
+        self.tf32 = policies.enable_tf32(self.precision, d.device)
+        self.ckpt_layers = policies.apply_grad_ckpt(self.raw, cfg.grad_ckpt)
 
-    # --- measurements taken before training (part of start-up) ---
-    model.train()
-    act_bytes = meters.activation_bytes_per_sequence(model, cfg.max_seq_length, amp(), d.device)
-    peak, peak_src = meters.peak_flops(d.device, precision)
+        # Batch arithmetic, stated once (batching.py): global = sum of per-rank batches x accumulation.
+        self.per_rank = batching.per_rank_batches(
+            cfg, d, lambda: batching.probe_max_batch(self.raw, self._example_loss, d.device), lambda m: log(d, m))
+        self.plan = batching.plan(cfg, len(self.train_set), self.per_rank)
+        log(d, f"{objective.name}: {self.plan.describe(len(self.train_set))}; precision {self.precision}"
+               f"{' (TF32 matmuls)' if self.tf32 else ''}; grad_ckpt {cfg.grad_ckpt} (layers {self.ckpt_layers}); "
+               f"{d.world_size} process(es) on {d.nodes} node(s), backend {d.backend or 'none'}, "
+               f"{d.threads} thread(s) each")
 
-    # --- policies that change how the model runs ---
-    raw = model
-    if d.active:
-        # Gradients are all-reduced in 25 MB buckets, overlapping the rest of the backward pass.
-        model = nn.parallel.DistributedDataParallel(
-            model, device_ids=[d.local_rank] if d.device.type == "cuda" else None, bucket_cap_mb=25)
-    model = policies.maybe_compile(model, cfg.compile)
-    optimizer = make_optimizer(cfg, raw, lr, d.device)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_linear(warmup_steps, total_steps))
-    scaler = policies.grad_scaler(precision, d.device)
+        # Measurements taken before training (part of start-up).
+        self.raw.train()
+        self.act_bytes = meters.activation_bytes_per_sequence(self.raw, self._example_loss, d.device)
+        self.peak, self.peak_src = meters.peak_flops(d.device, self.precision)
 
-    # --- resume: the newest complete checkpoint of this run directory, if asked ---
-    meter, state = meters.StepMeter(), LoopState()
-    ckman = CheckpointManager(run_dir / "checkpoints", cfg.keep_last, d.rank, d.world_size, lambda: dist.barrier(d))
-    torch.manual_seed(cfg.seed + 1000 * d.rank)  # dropout differs per rank, as in any DDP run
-    data_fp = _data_fingerprint(data.train)
-    ck = _find_checkpoint(cfg, ckman, d)
-    if ck is not None:
-        _restore(ck, ckman, cfg, data_fp, raw, optimizer, scheduler, scaler, state, meter, d)
-        log(d, f"resumed from {ck.path} (step {state.step}, epoch {state.epoch}, batch {state.pos})")
+        # Policies that change how the model runs, applied from outside: DDP, then compile.
+        model: nn.Module = self.raw
+        if d.active:
+            # Gradients are all-reduced in 25 MB buckets, overlapping the rest of the backward pass.
+            model = nn.parallel.DistributedDataParallel(
+                model, device_ids=[d.local_rank] if d.device.type == "cuda" else None, bucket_cap_mb=25)
+        self.model = policies.maybe_compile(model, cfg.compile)
+        self.optimizer = make_optimizer(cfg, self.raw, self.plan.lr, d.device)
+        self.schedule = LRSchedule(self.plan.warmup_steps, self.plan.total_steps)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self.schedule)
+        self.scaler = policies.grad_scaler(self.precision, d.device)
+        self.meter, self.state = meters.StepMeter(), LoopState()
+        self.data_fp = self.train_set.fingerprint()
+        self.last_saved_step: int | None = None
+        torch.manual_seed(cfg.seed + 1000 * d.rank)  # dropout differs per rank, as in any DDP run
+        if self.resume_from is not None:
+            self.restore(self.resume_from)
+
+        # The run can start: only now does its directory appear (a failed start leaves nothing behind).
         if d.is_main:
-            _truncate_metrics(run_dir / "metrics.jsonl", state.step)
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            write_json_atomic(self.run_dir / "config.json", cfg.to_dict())
+            stale = self.run_dir / "STOP"
+            # A stop request older than this process ended an earlier segment: not one for this run.
+            # One made since (a job's trap during start-up) stands.
+            if stale.exists() and stale.stat().st_mtime < PROCESS_START:
+                stale.unlink()
+                log(d, f"removed {stale}, the stop request that ended an earlier segment")
+        dist.barrier(d)
 
-    def save() -> None:
-        t = time.perf_counter()
-        shared = {"model": raw.state_dict(), "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-                  "scaler": scaler.state_dict(), "meter": asdict(meter), "config": cfg.to_dict(), "data": data_fp,
-                  "loop": {**asdict(state), "elapsed_s": state.elapsed_s + time.time() - PROCESS_START}}
-        mine = {"rng_cpu": torch.get_rng_state(),
-                "rng_cuda": torch.cuda.get_rng_state(d.device) if d.device.type == "cuda" else None}
-        path = ckman.save(state.step, shared, mine)
-        log(d, f"checkpoint {path} ({time.perf_counter() - t:.1f}s)")
+    # --- start-up pieces ------------------------------------------------------------------------
 
-    writer = MetricsWriter(run_dir / "metrics.jsonl") if d.is_main else None
-    budget_left = cfg.time_budget - state.elapsed_s if cfg.time_budget else None
-    stops = StopConditions.from_env(PROCESS_START + budget_left if budget_left is not None else None)
-    stops.install_signal_handlers()
-    try:
-        result = _loop(cfg, d, model, raw, optimizer, scheduler, scaler, amp, data.train, per_rank, global_batch,
-                       total_steps, stops, meter, state, writer, save if cfg.checkpointing else None)
-    finally:
-        stops.restore_signal_handlers()  # from here on a SIGTERM ends the process at once
-        if writer:
-            writer.close()
-    early = result.stopped_by in ("signal", "stop_file", "job_deadline")
-    if (cfg.checkpointing or early or ck is not None) and state.step and state.step != _last_saved(ckman):
-        save()  # one complete checkpoint at the end of every segment: resubmitting continues from here
+    def _find_checkpoint(self) -> Checkpoint | None:
+        """Rank 0: the checkpoint to resume from (verified), None to start fresh; ValueError otherwise."""
+        mode = self.cfg.resume_mode()
+        if mode == "never":
+            return None
+        if mode == "auto":
+            ck = self.ckman.latest()
+        else:
+            path = Path(mode)
+            if not path.is_dir():
+                raise ValueError(f"resume: {path} does not exist or is not a directory; give a checkpoint "
+                                 f"directory (RUN_DIR/checkpoints/step-NNNNNNNN), 'auto' or 'never'")
+            ck = self.ckman.verify(path)
+        if ck is not None and ck.world_size != self.d.world_size:
+            raise CheckpointError(f"{ck.path}: written by {ck.world_size} ranks, this run has {self.d.world_size}; "
+                                  f"resume with the same number of processes, or use another --out")
+        return ck
 
-    # --- evaluation (after the time box; skipped when stopping early: the job's time is up) ---
-    evals = {}
-    if cfg.do_eval and data.dev and not early:
-        for split, feats in data.dev.items():
-            evals[split] = evaluate(raw, feats, spec, cfg, d, amp)
-            log(d, f"eval {split}: " + ", ".join(f"{k} {v:.4f}" for k, v in evals[split].items()))
-    elif early:
-        log(d, f"stopped early ({result.stopped_by}) at step {state.step}: run the same command again to resume")
+    def _load_data(self) -> tuple[Features, dict[str, Features]]:
+        """Rank 0 tokenises (or reads the cache) first; the others then read the cache. A bad file
+        fails on every rank with rank 0's message, instead of leaving the others at a barrier."""
+        loaded: dict = {}
 
-    summary = _summary(cfg, d, src, raw, spec, precision, ckpt_layers, lr, per_rank, global_batch, result, meter,
-                       state, len(data.train), act_bytes, peak, peak_src, evals, run_dir)
-    if d.is_main:
-        write_json_atomic(run_dir / "summary.json", summary)
-        log(d, f"run directory: {run_dir}")
-    return summary
+        def first() -> None:
+            loaded["data"] = self.obj.load(self.cfg, self.src)
 
+        dist.decide(self.d, first)
+        return loaded["data"] if self.d.is_main else self.obj.load(self.cfg, self.src)
 
-def _loop(cfg, d, model, raw, optimizer, scheduler, scaler, amp, train: Features, per_rank, global_batch,
-          total_steps, stops: StopConditions, meter: meters.StepMeter, state: LoopState, writer, save) -> LoopResult:
-    mcfg = raw.config
-    progress = Progress(d, total_steps, cfg.log_every, stops.budget_deadline)
-    pad_to = cfg.max_seq_length if cfg.pad_to_max_length else None
-    order = lambda epoch: global_batches(epoch_order(train.lengths, cfg.sampler, cfg.seed, epoch, global_batch),  # noqa: E731
-                                         global_batch)
-    batches = order(state.epoch)
-    stopped_by = "max_steps" if cfg.max_steps else "epochs"
-    first_start = last_end = time.time()
-    last_save = time.time()
-    while state.step < total_steps:
-        if state.pos == len(batches):
-            state.epoch, state.pos = state.epoch + 1, 0
-            batches = order(state.epoch)  # reshuffled per epoch, the same on every rank
-        # Stop before a step that would not finish in time, or on a signal / stop file.
-        est = float(np.median(meter.times[-5:])) if len(meter) else 0.0
-        reason = _agree_reason(d, stops.reason(est))
-        if reason is not None:
-            stopped_by = reason
-            break
-        t0 = time.perf_counter()
-        gb = batches[state.pos]
-        micro = shard(gb, per_rank, d.rank, cfg.grad_accum)
+    def _build_model(self) -> nn.Module:
+        cfg, src, d = self.cfg, self.src, self.d
+        mcfg = src.config
+        if cfg.dropout is not None:
+            mcfg = type(mcfg)(**{**mcfg.to_dict(), "hidden_dropout_prob": cfg.dropout,
+                                 "attention_probs_dropout_prob": cfg.dropout})
+        if src.ignored_config_keys:
+            log(d, f"model {cfg.model}: config.json keys not used by this model (ignored): "
+                   f"{', '.join(src.ignored_config_keys)}")
+        torch.manual_seed(cfg.seed)  # same initial head (and random model) on every rank
+        model = self.obj.build_model(mcfg)
+        if src.weights_dir is not None:
+            rep = load_pretrained(model, src.weights_dir)
+            for what, names in (("ignored checkpoint tensors not in the model", rep.unexpected),
+                                ("shape mismatch, freshly initialised", rep.mismatched),
+                                ("not in the checkpoint, freshly initialised", rep.missing)):
+                if names:
+                    log(d, f"weights: {what}: {', '.join(names)}")
+        else:
+            log(d, f"model {cfg.model}: RANDOM weights ({mcfg.num_hidden_layers} layers, {mcfg.hidden_size} wide), "
+                   f"for throughput work")
+        return model.to(d.device)
+
+    def amp(self):
+        """A fresh autocast context for the run's precision."""
+        return policies.autocast(self.precision, self.d.device)
+
+    def _example_loss(self, batch_size: int) -> torch.Tensor:
+        """Forward + loss of a batch of `batch_size` sequences at --max-seq-length (memory probes)."""
+        batch = self.obj.example_batch(batch_size, self.cfg.max_seq_length, self.raw.config.vocab_size)
+        batch = batch.to(self.d.device)
+        with self.amp():
+            return self.obj.loss_sum(self.raw, self.obj.forward(self.raw, batch), batch)
+
+    # --- the run ----------------------------------------------------------------------------------
+
+    def run(self) -> dict:
+        cfg, d, st = self.cfg, self.d, self.state
+        budget_left = cfg.time_budget - st.elapsed_s if cfg.time_budget else None
+        stops = StopConditions.from_env(PROCESS_START + budget_left if budget_left is not None else None,
+                                        run_dir=self.run_dir)
+        stops.install_signal_handlers()
+        writer = MetricsWriter(self.run_dir / "metrics.jsonl") if d.is_main else None
+        try:
+            result = self.fit(stops, writer)
+        finally:
+            stops.restore_signal_handlers()  # from here on a SIGTERM ends the process at once
+            if writer:
+                writer.close()
+        early = result.stopped_by in ("signal", "stop_file", "job_deadline")
+        if (cfg.checkpointing or early or self.resume_from is not None) and st.step and \
+                st.step != self.last_saved_step:
+            self.save()  # one complete checkpoint at the end of every segment: resubmitting continues here
+
+        # Evaluation: after the time box; skipped when stopping early (the job's time is up).
+        evals = {}
+        if cfg.do_eval and self.dev and not early:
+            evals = self.evaluate()
+        elif early:
+            log(d, f"stopped early ({result.stopped_by}) at step {st.step}: run the same command again to resume")
+        summary = self.summary(result, evals)
+        if d.is_main:
+            write_json_atomic(self.run_dir / "summary.json", summary)
+            log(d, f"run directory: {self.run_dir}")
+        return summary
+
+    def fit(self, stops: StopConditions, writer: MetricsWriter | None) -> LoopResult:
+        """The loop: step, agree, record, checkpoint, until the plan is done or a stop is agreed."""
+        cfg, d, st = self.cfg, self.d, self.state
+        total = self.plan.total_steps
+        self.progress = Progress(d, total, cfg.log_every, stops.budget_deadline)
+        self.writer, self.stops = writer, stops
+        agree = dist.Agreement(d)
+        self.lag = agree.lag
+        order = lambda epoch: global_batches(  # noqa: E731 - reshuffled per epoch, the same on every rank
+            epoch_order(self.train_set.lengths, cfg.sampler, cfg.seed, epoch, self.plan.global_batch),
+            self.plan.global_batch)
+        batches = order(st.epoch)
+        stopped_by = "max_steps" if cfg.max_steps else "epochs"
+        self.first_start = time.time()
+        self.last_end = self.first_start
+        self.last_observed = 0.0
+        self.last_save = time.time()
+        # The decision before the first step (a stop file, a budget spent by earlier segments).
+        agree.post(None, self._requests())
+        stop, _ = self._take(agree.ready(flush=True))
+        while stop is None and st.step < total:
+            if st.pos == len(batches):
+                st.epoch, st.pos = st.epoch + 1, 0
+                batches = order(st.epoch)
+            t0 = time.perf_counter()
+            gb = batches[st.pos]
+            loss, grad_norm, counts = self.step(gb)
+            st.step, st.pos, st.sequences = st.step + 1, st.pos + 1, st.sequences + len(gb)
+            rec = StepRecord(st.step, t0, len(gb), self.scheduler.get_last_lr()[0], st.epoch + st.pos / len(batches))
+            nonfinite = (~torch.isfinite(grad_norm)).to(torch.float64)
+            agree.post(rec, [*self._requests(), *counts], [loss, nonfinite, grad_norm])
+            stop, save_due = self._take(agree.ready())
+            due_by_steps = bool(cfg.checkpoint_steps and st.step % cfg.checkpoint_steps == 0)
+            if stop is None and (save_due or due_by_steps) and st.step < total and st.step != self.last_saved_step:
+                stop, _ = self._take(agree.ready(flush=True))  # the checkpoint holds every finished step
+                self.save()
+                self.last_save = time.time()
+        self._take(agree.ready(flush=True))  # steps still in flight: recorded; their requests come too late
+        if stop is not None:
+            stopped_by = stop
+        self.progress.close()
+        if st.window_loss:
+            st.last_loss = float(np.mean(st.window_loss))
+        return LoopResult(stopped_by, self.first_start, self.last_end)
+
+    def step(self, gb: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, list[float]]:
+        """One optimizer step on global batch `gb` (this rank's share, in micro-batches). Returns the
+        loss and gradient norm as device tensors (no host sync) and this rank's token/FLOP counts."""
+        cfg, d = self.cfg, self.d
+        micro = shard(gb, self.per_rank, d.rank, cfg.grad_accum)
+        pad_to = cfg.max_seq_length if cfg.pad_to_max_length else None
         loss_acc = torch.zeros((), device=d.device)
         real_tokens = padded = 0
         flops = 0.0
@@ -264,113 +355,280 @@ def _loop(cfg, d, model, raw, optimizer, scheduler, scaler, amp, train: Features
             # A short last batch can leave this rank no example; it must still join DDP's
             # all-reduce, so it runs one example with weight 0 (zero gradient, not counted).
             weight = 1.0 if len(idx) else 0.0
-            batch = collate(train, idx if len(idx) else gb[:1], pad_to).to(d.device)
+            batch = self.obj.collate(self.train_set, idx if len(idx) else gb[:1], pad_to).to(d.device)
             B, T = batch.input_ids.shape
             if weight:
                 real_tokens += batch.real_tokens
                 padded += B * T
-                flops += B * flops_per_sequence(mcfg, T)
+                flops += B * flops_per_sequence(self.raw.config, T)
             # Gradients are all-reduced only on the last micro-batch of the step.
-            sync = contextlib.nullcontext() if (not d.active or j == len(micro) - 1) else model.no_sync()
+            sync = contextlib.nullcontext() if (not d.active or j == len(micro) - 1) else self.model.no_sync()
             with sync:
-                with amp():
-                    logits = model(batch.input_ids, batch.attention_mask, batch.token_type_ids)
+                with self.amp():
+                    out = self.obj.forward(self.model, batch)
                     # Sum over the micro-batch / examples in the global batch, x world size because
                     # DDP averages gradients over ranks: the gradient is that of one big batch.
-                    loss = raw.loss_sum(logits, batch.labels) * (weight * d.world_size / len(gb))
-                scaler.scale(loss).backward()
+                    loss = self.obj.loss_sum(self.raw, out, batch) * (weight * d.world_size / len(gb))
+                self.scaler.scale(loss).backward()
             loss_acc += loss.detach()
-        scaler.unscale_(optimizer)
-        grad_norm = torch.nn.utils.clip_grad_norm_(raw.parameters(), cfg.max_grad_norm or float("inf"))
-        scaler.step(optimizer)
-        scaler.update()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        if d.active:
-            tdist.all_reduce(loss_acc)
-            loss_acc /= d.world_size
-        loss_value = float(loss_acc)  # CPU-GPU sync point: the step's work is done here
-        t1 = time.perf_counter()
-        state.step, state.pos, state.sequences = state.step + 1, state.pos + 1, state.sequences + len(gb)
-        if d.active:  # per-rank token counts differ; the global figures are what a user wants
-            counts = torch.tensor([real_tokens, padded, flops], dtype=torch.float64, device=d.device)
-            tdist.all_reduce(counts)
-            real_tokens, padded, flops = int(counts[0]), int(counts[1]), float(counts[2])
-        end = last_end = time.time()
-        meter.add(t1 - t0, len(gb), real_tokens, padded, flops, end,
-                  in_budget=stops.budget_deadline is None or end <= stops.budget_deadline)
-        state.window_loss.append(loss_value)
-        progress.update(state.step, loss_value, len(gb) / (t1 - t0), end - first_start)
-        if state.step % cfg.log_every == 0 or state.step == total_steps:
-            n = len(state.window_loss)
-            state.last_loss = float(np.mean(state.window_loss))
-            if writer:
-                wt = sum(meter.times[-n:])
-                writer.write({"step": state.step, "epoch": state.epoch + state.pos / len(batches),
-                              "loss": state.last_loss, "lr": scheduler.get_last_lr()[0], "grad_norm": float(grad_norm),
-                              "step_time_s": wt / n, "sequences_per_sec": sum(meter.sequences[-n:]) / wt,
-                              "tokens_per_sec": sum(meter.tokens[-n:]) / wt, "elapsed_s": end - PROCESS_START})
-            state.window_loss = []
-        # Periodic checkpoints, outside the timed step. Time-based: rank 0's clock decides for all.
-        if save is not None and state.step < total_steps:
-            due = bool(cfg.checkpoint_steps and state.step % cfg.checkpoint_steps == 0)
-            if cfg.checkpoint_every:
-                due = _agree_flag(d, due or (d.is_main and time.time() - last_save >= cfg.checkpoint_every))
-            if due:
-                save()
-                last_save = time.time()
-    progress.close()
-    if state.window_loss:
-        state.last_loss = float(np.mean(state.window_loss))
-    return LoopResult(stopped_by, first_start, last_end)
+        self.scaler.unscale_(self.optimizer)
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.raw.parameters(), cfg.max_grad_norm or float("inf"))
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return loss_acc, grad_norm, [float(real_tokens), float(padded), flops]
 
+    def _requests(self) -> list[float]:
+        """This rank's part of the agreement: [stop code, signal, save request]. Stop code and save
+        request are rank 0's alone (its clock and its view of the stop files)."""
+        d, cfg = self.d, self.cfg
+        signal = 1.0 if self.stops.signal_received is not None else 0.0
+        if not d.is_main:
+            return [0.0, signal, 0.0]
+        est = float(np.median(self.meter.times[-5:])) if len(self.meter) else 0.0
+        # With a lag, one more step is already in flight when the others read the decision.
+        reason = self.stops.reason(est * (1 + self.lag))
+        due = bool(cfg.checkpoint_every and time.time() - self.last_save >= cfg.checkpoint_every)
+        return [float(REASONS.index(reason)), signal, 1.0 if due else 0.0]
 
-def _data_fingerprint(train: Features) -> str:
-    """Token ids and labels of the training set: a different vocabulary or data changes it."""
-    h = hashlib.sha256(train.ids.tobytes())
-    h.update(train.offsets.tobytes())
-    h.update(np.asarray(train.labels).tobytes())
-    return h.hexdigest()[:16]
+    def _take(self, results: list) -> tuple[str | None, bool]:
+        """Record finished steps; return the agreed stop reason (or None) and save request."""
+        stop, save = None, False
+        for rec, values in results:
+            code, signal, save_flag = values[:3]
+            if rec is not None:
+                self._record(rec, values[3:])
+            if signal > 0:
+                stop = "signal"
+            elif code > 0 and stop is None:
+                stop = REASONS[int(round(code))]
+            save = save or save_flag > 0
+        return stop, save
 
+    def _record(self, rec: StepRecord, values: list[float]) -> None:
+        """A finished step's agreed figures: meter, log line, progress, time-fitted LR horizon."""
+        d, st, cfg = self.d, self.state, self.cfg
+        tokens, padded, flops, loss, nonfinite, grad_norm = values
+        now = time.perf_counter()
+        # From its start, or from the previous step's end when steps overlap on the device (lag).
+        seconds = now - max(rec.start, self.last_observed)
+        self.last_observed = now
+        end = self.last_end = time.time()
+        deadline = self.stops.budget_deadline
+        self.meter.add(seconds, rec.sequences, int(tokens), int(padded), flops, end,
+                       in_budget=deadline is None or end <= deadline)
+        loss, grad_norm = loss / d.world_size, grad_norm / d.world_size
+        st.window_loss.append(loss)
+        if nonfinite:
+            st.nonfinite_steps += 1
+        self.progress.update(rec.step, loss, rec.sequences / seconds, end - self.first_start)
+        if rec.step % cfg.log_every == 0 or rec.step == self.plan.total_steps:
+            n = len(st.window_loss)
+            st.last_loss = float(np.mean(st.window_loss))
+            if self.writer:
+                wt = sum(self.meter.times[-n:])
+                self.writer.write({"step": rec.step, "epoch": rec.epoch, "loss": st.last_loss, "lr": rec.lr,
+                                   "grad_norm": grad_norm, "step_time_s": wt / n,
+                                   "sequences_per_sec": sum(self.meter.sequences[-n:]) / wt,
+                                   "tokens_per_sec": sum(self.meter.tokens[-n:]) / wt,
+                                   "elapsed_s": end - PROCESS_START})
+            st.window_loss = []
+        if cfg.lr_horizon == "time-budget" and st.lr_horizon is None and rec.step >= FIT_HORIZON_AFTER:
+            self._fit_horizon()
 
-def _find_checkpoint(cfg: RunConfig, ckman: CheckpointManager, d: dist.Dist) -> Checkpoint | None:
-    mode = cfg.resume_mode()
-    if mode == "never":
-        return None
-    if mode == "auto":
-        return ckman.latest()
-    return ckman.verify(Path(mode))
+    def _fit_horizon(self) -> None:
+        """--lr-horizon time-budget: the decay reaches zero at the last step predicted to fit in the
+        box, from the median measured step time (rank 0's clock; broadcast)."""
+        st, cfg = self.state, self.cfg
 
+        def estimate() -> tuple[int, str]:
+            t = float(np.median(self.meter.times[1:]))
+            left = self.stops.budget_deadline - time.time()
+            steps = st.step + max(0, int(left / t))
+            horizon = max(st.step + 1, min(self.plan.total_steps, steps))
+            return horizon, (f"time budget: {left:.0f} s left after step {st.step} at a median {t:.3f} s/step "
+                             f"(steps 2..{len(self.meter)})")
 
-def _last_saved(ckman: CheckpointManager) -> int | None:
-    cks = ckman.list()
-    return cks[-1].step if cks else None
+        horizon, source = dist.decide(self.d, estimate)
+        warmup = min(self.plan.warmup_steps, max(round(cfg.warmup_ratio * horizon), 0))
+        st.lr_horizon, st.lr_warmup, st.lr_horizon_source = horizon, warmup, source
+        self.schedule.refit(warmup, horizon)
+        log(self.d, f"LR schedule fitted to the time box: decay to 0 at step {horizon}, {warmup} LR warm-up "
+                    f"steps ({source})")
 
+    # --- checkpoints ------------------------------------------------------------------------------
 
-def _restore(ck: Checkpoint, ckman: CheckpointManager, cfg: RunConfig, data_fp: str, raw, optimizer, scheduler,
-             scaler, state: LoopState, meter: meters.StepMeter, d: dist.Dist) -> None:
-    shared, mine = ckman.load(ck, map_location=d.device)
-    changed = sorted(k for k, v in shared["config"].items()
-                     if k not in RESUMABLE_CHANGES and getattr(cfg, k, None) != v)
-    if changed:
-        detail = ", ".join(f"{k} (checkpoint {shared['config'][k]!r}, now {getattr(cfg, k, None)!r})" for k in changed)
-        raise ValueError(f"resume: {ck.path} was written with other settings: {detail}; "
-                         f"use another --out or --resume never")
-    if shared["data"] != data_fp:
-        raise ValueError(f"resume: {ck.path} was trained on other token ids (vocabulary or training data changed); "
-                         f"use another --out or --resume never")
-    raw.load_state_dict(shared["model"])
-    optimizer.load_state_dict(shared["optimizer"])
-    scheduler.load_state_dict(shared["scheduler"])
-    scaler.load_state_dict(shared["scaler"])
-    for k, v in shared["meter"].items():
-        setattr(meter, k, list(v))
-    for k, v in shared["loop"].items():
-        setattr(state, k, v)
-    state.resumed_from_step = ck.step
-    torch.set_rng_state(mine["rng_cpu"].cpu())
-    if mine.get("rng_cuda") is not None:
-        torch.cuda.set_rng_state(mine["rng_cuda"].cpu(), d.device)
+    def save(self) -> None:
+        t = time.perf_counter()
+        st = self.state
+        shared = {"model": self.raw.state_dict(), "optimizer": self.optimizer.state_dict(),
+                  "scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict(),
+                  "meter": asdict(self.meter), "config": self.cfg.to_dict(), "data": self.data_fp,
+                  "loop": {**asdict(st), "elapsed_s": st.elapsed_s + time.time() - PROCESS_START}}
+        mine = {"rng_cpu": torch.get_rng_state(),
+                "rng_cuda": torch.cuda.get_rng_state(self.d.device) if self.d.device.type == "cuda" else None}
+        path = self.ckman.save(st.step, shared, mine)
+        self.last_saved_step = st.step
+        log(self.d, f"checkpoint {path} ({time.perf_counter() - t:.1f}s)")
+
+    def restore(self, ck: Checkpoint) -> None:
+        cfg, st = self.cfg, self.state
+        shared, mine = self.ckman.load(ck, map_location=self.d.device)
+        changed = sorted(k for k, v in shared["config"].items()
+                         if k not in RESUMABLE_CHANGES and getattr(cfg, k, None) != v)
+        if changed:
+            detail = ", ".join(f"{k} (checkpoint {shared['config'][k]!r}, now {getattr(cfg, k, None)!r})"
+                               for k in changed)
+            raise ValueError(f"resume: {ck.path} was written with other settings: {detail}; "
+                             f"use another --out or --resume never")
+        if shared["data"] != self.data_fp:
+            raise ValueError(f"resume: {ck.path} was trained on other token ids (vocabulary or training data "
+                             f"changed); use another --out or --resume never")
+        self.raw.load_state_dict(shared["model"])
+        self.optimizer.load_state_dict(shared["optimizer"])
+        self.scheduler.load_state_dict(shared["scheduler"])
+        self.scaler.load_state_dict(shared["scaler"])
+        for k, v in shared["meter"].items():
+            setattr(self.meter, k, list(v))
+        for k, v in shared["loop"].items():
+            setattr(st, k, v)
+        st.resumed_from_step = ck.step
+        if st.lr_horizon is not None:
+            self.schedule.refit(st.lr_warmup, st.lr_horizon)
+        self.last_saved_step = ck.step
+        torch.set_rng_state(mine["rng_cpu"].cpu())
+        if mine.get("rng_cuda") is not None:
+            torch.cuda.set_rng_state(mine["rng_cuda"].cpu(), self.d.device)
+        log(self.d, f"resumed from {ck.path} (step {st.step}, epoch {st.epoch}, batch {st.pos})")
+        if self.d.is_main:
+            _truncate_metrics(self.run_dir / "metrics.jsonl", st.step)
+
+    # --- evaluation and summary ------------------------------------------------------------------
+
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, dict[str, float]]:
+        """Score every dev example exactly once across ranks (rank r takes r, r+W, ... of the
+        length-sorted order: no padding duplicates), with the objective's metrics and mean loss."""
+        d, obj, cfg = self.d, self.obj, self.cfg
+        self.raw.eval()
+        out: dict[str, dict[str, float]] = {}
+        for split, feats in self.dev.items():
+            order = np.argsort(-feats.lengths, kind="stable")  # least padding; same result
+            mine = order[d.rank::d.world_size]
+            preds, loss_sum = [], 0.0
+            for i in range(0, len(mine), cfg.eval_batch_size):
+                batch = obj.collate(feats, mine[i:i + cfg.eval_batch_size]).to(d.device)
+                with self.amp():
+                    outputs = obj.forward(self.raw, batch)
+                    loss_sum += float(obj.loss_sum(self.raw, outputs, batch))
+                preds.append(obj.predict(outputs, batch))
+            gathered = dist.all_gather_objects(d, (mine, preds, loss_sum))
+            idx = np.concatenate([g[0] for g in gathered])
+            assert len(idx) == len(feats) and len(np.unique(idx)) == len(feats), "every dev example exactly once"
+            pred = np.concatenate([p for g in gathered for p in g[1]])
+            ordered = np.empty_like(pred)
+            ordered[idx] = pred
+            metrics = obj.metrics(split, ordered, feats)
+            metrics["loss"] = sum(g[2] for g in gathered) / len(feats)
+            out[split] = metrics
+            log(d, f"eval {split}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
+        self.raw.train()
+        return out
+
+    def summary(self, result: LoopResult, evals: dict) -> dict:
+        cfg, d, st, meter = self.cfg, self.d, self.state, self.meter
+        mcfg = self.raw.config
+        warmup = cfg.warmup_steps_excluded if cfg.warmup_steps_excluded is not None else meter.default_warmup(len(meter))
+        warmup = min(warmup, max(0, len(meter) - 1))
+        steady = meter.steady(warmup)
+        mem, mem_kind = meters.peak_memory(d.device)
+        in_budget = None
+        if cfg.time_budget is not None:
+            done = [i for i, inside in enumerate(meter.in_budget) if inside]
+            in_budget = (len(done), sum(meter.sequences[i] for i in done))
+        wall = st.elapsed_s + (result.last_step_end - PROCESS_START)  # all segments, from process start
+        peak, peak_src = self.peak, self.peak_src
+        mfu = steady["model_flops_per_sec"] / peak if (peak and steady["model_flops_per_sec"]) else None
+        if mfu is not None and mfu > 1:
+            # The run itself beat the measured "peak": other work slowed that measurement. No MFU
+            # rather than a wrong one.
+            peak_src += "; below the achieved model FLOP/s (machine busy while measuring): MFU withheld"
+            mfu = None
+        per_rank = self.per_rank
+        return {
+            "schema_version": SCHEMA_VERSION,
+            "hpcbert_version": __version__,
+            "run": self.run_dir.name,
+            "task": self.obj.name,
+            "model": cfg.model,
+            "model_is_random": self.src.is_random,
+            "num_layers": mcfg.num_hidden_layers,
+            "hidden_size": mcfg.hidden_size,
+            "max_seq_length": cfg.max_seq_length,
+            "precision": self.precision,
+            "tf32": self.tf32,
+            "compile": cfg.compile,
+            "grad_ckpt": cfg.grad_ckpt,
+            "ckpt_layers": self.ckpt_layers,
+            "optimizer": cfg.optimizer,
+            "lr": self.plan.lr,
+            "lr_scaling": cfg.lr_scaling,
+            "lr_horizon_steps": st.lr_horizon if st.lr_horizon is not None else self.plan.total_steps,
+            "lr_horizon_source": st.lr_horizon_source or "planned steps (--epochs / --max-steps)",
+            "seed": cfg.seed,
+            "world_size": d.world_size,
+            "nodes": d.nodes,
+            "gpus_per_node": d.local_world_size,
+            "dist_backend": d.backend,
+            "per_device_batch_size": per_rank[0] if len(set(per_rank)) == 1 else per_rank,
+            "grad_accum": cfg.grad_accum,
+            "global_batch_size": self.plan.global_batch,
+            "steps": st.step,
+            "epochs_done": st.sequences / len(self.train_set),
+            "sequences": st.sequences,
+            "resumed_from_step": st.resumed_from_step,
+            "nonfinite_grad_steps": st.nonfinite_steps,
+            "startup_s": result.first_step_start - PROCESS_START,
+            "train_s": result.last_step_end - result.first_step_start,
+            "warmup_steps_excluded": warmup,
+            "steady_steps_per_sec": steady["steady_steps_per_sec"],
+            "steady_sequences_per_sec": steady["steady_sequences_per_sec"],
+            "steady_step_time_s": steady["steady_step_time_s"],
+            "e2e_sequences_per_sec": st.sequences / wall if st.step else None,
+            "tokens_per_sec": steady["tokens_per_sec"],
+            "padded_tokens_per_sec": steady["padded_tokens_per_sec"],
+            "throughput_method": (f"summed step times of steps {warmup + 1}..{len(meter)} (the first {warmup} "
+                                  f"untimed); a step runs from its first batch to the end of the optimizer step, so "
+                                  f"evaluation, checkpoint and logging time is excluded"),
+            "time_budget_s": cfg.time_budget,
+            "steps_in_budget": in_budget[0] if in_budget else None,
+            "sequences_in_budget": in_budget[1] if in_budget else None,
+            "stopped_by": result.stopped_by,
+            "activation_bytes_per_sequence": self.act_bytes,
+            "peak_memory_bytes": mem,
+            "peak_memory_kind": mem_kind,
+            "model_flops_per_sec": steady["model_flops_per_sec"],
+            "peak_flops": peak,
+            "peak_flops_source": peak_src,
+            "mfu": mfu,
+            "final_loss": st.last_loss,
+            "eval": evals,
+            "main_metric": self.obj.main_metric,
+            "per_rank_step_time_s": self._per_rank_step_times(warmup),
+            "versions": meters.versions(),
+            "hardware": meters.hardware(d.device),
+            "git_commit": meters.git_commit(),
+        }
+
+    def _per_rank_step_times(self, warmup: int) -> dict | None:
+        """Median steady step time of every rank, gathered: a slow GPU or node shows up here."""
+        t = self.meter.times[warmup:]
+        values = dist.all_gather_floats(self.d, float(np.median(t)) if t else float("nan"))
+        if not t:
+            return None
+        return {"min": min(values), "median": float(np.median(values)), "max": max(values),
+                "slowest_rank": int(np.argmax(values)), "per_rank": values}
 
 
 def _truncate_metrics(path: Path, step: int) -> None:
@@ -378,144 +636,6 @@ def _truncate_metrics(path: Path, step: int) -> None:
     if not path.is_file():
         return
     keep = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= step]
-    write_json_lines = "".join(line + "\n" for line in keep)
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(write_json_lines)
+    tmp.write_text("".join(line + "\n" for line in keep))
     tmp.replace(path)
-
-
-@torch.no_grad()
-def evaluate(model: BertForSequenceClassification, feats: Features, spec, cfg: RunConfig, d: dist.Dist, amp) -> dict:
-    """Score every dev example exactly once across ranks (rank r takes r, r+W, ...; no padding
-    duplicates), with the task's official metric and the mean dev loss."""
-    model.eval()
-    order = np.argsort(-feats.lengths, kind="stable")  # length-sorted: least padding, same result
-    mine = order[d.rank::d.world_size]
-    preds, loss_sum = [], 0.0
-    for i in range(0, len(mine), cfg.eval_batch_size):
-        idx = mine[i:i + cfg.eval_batch_size]
-        batch = collate(feats, idx).to(d.device)
-        with amp():
-            logits = model(batch.input_ids, batch.attention_mask, batch.token_type_ids)
-        loss_sum += float(model.loss_sum(logits, batch.labels))
-        out = logits.float().squeeze(-1) if spec.is_regression else logits.argmax(-1)
-        preds.append(out.cpu().numpy())
-    # A rank can have no dev example (dev set smaller than the world): an empty array of the right dtype.
-    local = (mine, np.concatenate(preds) if preds else np.zeros(0, np.float32 if spec.is_regression else np.int64),
-             loss_sum)
-    if d.active:
-        gathered: list = [None] * d.world_size
-        tdist.all_gather_object(gathered, local)
-    else:
-        gathered = [local]
-    idx = np.concatenate([g[0] for g in gathered])
-    pred = np.concatenate([g[1] for g in gathered])
-    assert len(idx) == len(feats) and len(np.unique(idx)) == len(feats), "every dev example exactly once"
-    ordered = np.empty_like(pred)
-    ordered[idx] = pred
-    model.train()
-    metrics = (compute_metrics(spec, ordered, feats.labels) if spec.name != "synthetic"
-               else {"accuracy": accuracy(ordered, feats.labels)})
-    metrics["loss"] = sum(g[2] for g in gathered) / len(feats)
-    return metrics
-
-
-def _summary(cfg, d, src, raw, spec, precision, ckpt_layers, lr, per_rank, global_batch, result: LoopResult,
-             meter: meters.StepMeter, state: LoopState, n_train: int, act_bytes, peak, peak_src, evals,
-             run_dir) -> dict:
-    mcfg = raw.config
-    warmup = cfg.warmup_steps_excluded if cfg.warmup_steps_excluded is not None else meter.default_warmup(len(meter))
-    warmup = min(warmup, max(0, len(meter) - 1))
-    steady = meter.steady(warmup)
-    startup = result.first_step_start - PROCESS_START
-    train_s = result.last_step_end - result.first_step_start
-    mem, mem_kind = meters.peak_memory(d.device)
-    per_rank_t = _per_rank_step_times(d, meter, warmup)
-    in_budget = None
-    if cfg.time_budget is not None:
-        done = [i for i, inside in enumerate(meter.in_budget) if inside]
-        in_budget = (len(done), sum(meter.sequences[i] for i in done))
-    wall = state.elapsed_s + (result.last_step_end - PROCESS_START)  # all segments, from process start
-    mfu = steady["model_flops_per_sec"] / peak if (peak and steady["model_flops_per_sec"]) else None
-    if mfu is not None and mfu > 1:
-        # The run itself beat the measured "peak": other work slowed that measurement. No MFU
-        # rather than a wrong one.
-        peak_src += "; below the achieved model FLOP/s (machine busy while measuring): MFU withheld"
-        mfu = None
-    return {
-        "schema_version": SCHEMA_VERSION,
-        "hpcbert_version": __version__,
-        "run": run_dir.name,
-        "task": spec.name,
-        "model": cfg.model,
-        "model_is_random": src.is_random,
-        "num_layers": mcfg.num_hidden_layers,
-        "hidden_size": mcfg.hidden_size,
-        "max_seq_length": cfg.max_seq_length,
-        "precision": precision,
-        "compile": cfg.compile,
-        "grad_ckpt": cfg.grad_ckpt,
-        "ckpt_layers": ckpt_layers,
-        "optimizer": cfg.optimizer,
-        "lr": lr,
-        "lr_scaling": cfg.lr_scaling,
-        "seed": cfg.seed,
-        "world_size": d.world_size,
-        "nodes": d.nodes,
-        "gpus_per_node": d.local_world_size,
-        "dist_backend": d.backend,
-        "per_device_batch_size": per_rank[0] if len(set(per_rank)) == 1 else per_rank,
-        "grad_accum": cfg.grad_accum,
-        "global_batch_size": global_batch,
-        "steps": state.step,
-        "epochs_done": state.sequences / n_train,
-        "sequences": state.sequences,
-        "resumed_from_step": state.resumed_from_step,
-        "startup_s": startup,
-        "train_s": train_s,
-        "warmup_steps_excluded": warmup,
-        "steady_steps_per_sec": steady["steady_steps_per_sec"],
-        "steady_sequences_per_sec": steady["steady_sequences_per_sec"],
-        "steady_step_time_s": steady["steady_step_time_s"],
-        "e2e_sequences_per_sec": state.sequences / wall if state.step else None,
-        "tokens_per_sec": steady["tokens_per_sec"],
-        "padded_tokens_per_sec": steady["padded_tokens_per_sec"],
-        "throughput_method": (f"summed step times of steps {warmup + 1}..{len(meter)} (first {warmup} excluded as "
-                              f"warm-up); a step runs from its first batch to the end of the optimizer step, so "
-                              f"evaluation, checkpoint and logging time is excluded"),
-        "time_budget_s": cfg.time_budget,
-        "steps_in_budget": in_budget[0] if in_budget else None,
-        "sequences_in_budget": in_budget[1] if in_budget else None,
-        "stopped_by": result.stopped_by,
-        "activation_bytes_per_sequence": act_bytes,
-        "peak_memory_bytes": mem,
-        "peak_memory_kind": mem_kind,
-        "model_flops_per_sec": steady["model_flops_per_sec"],
-        "peak_flops": peak,
-        "peak_flops_source": peak_src,
-        "mfu": mfu,
-        "final_loss": state.last_loss,
-        "eval": evals,
-        "main_metric": spec.main_metric,
-        "per_rank_step_time_s": per_rank_t,
-        "versions": meters.versions(),
-        "hardware": meters.hardware(d.device),
-        "git_commit": meters.git_commit(),
-    }
-
-
-def _per_rank_step_times(d: dist.Dist, meter: meters.StepMeter, warmup: int) -> dict | None:
-    """Median steady step time of every rank, gathered: a slow GPU or node shows up here."""
-    t = meter.times[warmup:]
-    mine = float(np.median(t)) if t else float("nan")
-    if d.active:
-        allt = torch.zeros(d.world_size, dtype=torch.float64, device=d.device)
-        allt[d.rank] = mine
-        tdist.all_reduce(allt)
-        values = allt.tolist()
-    else:
-        values = [mine]
-    if not t:
-        return None
-    return {"min": min(values), "median": float(np.median(values)), "max": max(values),
-            "slowest_rank": int(np.argmax(values)), "per_rank": values}

@@ -28,6 +28,7 @@ class ModelSource:
     config: BertConfig        # shapes (num_labels set by the caller)
     weights_dir: Path | None  # HF-format directory, None for random init
     vocab_dir: Path | None    # where tokenizer.json / vocab.txt live (None: none known)
+    ignored_config_keys: tuple[str, ...] = ()  # config.json keys the model does not use (logged)
 
     @property
     def is_random(self) -> bool:
@@ -55,7 +56,8 @@ def resolve(name: str) -> ModelSource:
     """A named model or a path to an HF-format directory -> ModelSource."""
     if name == "minilm-l6":
         d = minilm_dir()
-        return ModelSource(name, BertConfig.from_json(d / "config.json"), d, d)
+        cfg, ignored = BertConfig.read_json(d / "config.json")
+        return ModelSource(name, cfg, d, d, tuple(ignored))
     if name in RANDOM_SHAPES:
         L, H, A, I = RANDOM_SHAPES[name]
         cfg = BertConfig(num_hidden_layers=L, hidden_size=H, num_attention_heads=A, intermediate_size=I)
@@ -64,5 +66,6 @@ def resolve(name: str) -> ModelSource:
     if p.is_dir():
         if not (p / "config.json").is_file():
             raise ValueError(f"model: {p} has no config.json (expected a Hugging Face-format directory)")
-        return ModelSource(name, BertConfig.from_json(p / "config.json"), p, p)
+        cfg, ignored = BertConfig.read_json(p / "config.json")
+        return ModelSource(name, cfg, p, p, tuple(ignored))
     raise ValueError(f"model: {name!r} is neither a known name ({', '.join(NAMES)}) nor a directory")

@@ -37,6 +37,13 @@ class Features:
     def lengths(self) -> np.ndarray:
         return np.diff(self.offsets)
 
+    def fingerprint(self) -> str:
+        """Token ids and labels: a different vocabulary or data set changes it (resume refuses)."""
+        h = hashlib.sha256(np.ascontiguousarray(self.ids).tobytes())
+        h.update(np.ascontiguousarray(self.offsets).tobytes())
+        h.update(np.ascontiguousarray(self.labels).tobytes())
+        return h.hexdigest()[:16]
+
     @classmethod
     def from_lists(cls, ids: list, type_ids: list, labels) -> "Features":
         lengths = np.fromiter((len(x) for x in ids), dtype=np.int64, count=len(ids))
