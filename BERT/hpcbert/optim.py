@@ -17,36 +17,91 @@ from .config import RunConfig
 
 
 class Lamb(torch.optim.Optimizer):
+    """LAMB (You et al. 2020, Algorithm 2) as multi-tensor ``torch._foreach_*`` ops.
+
+    Per parameter tensor w with gradient g, at its own step t (a tensor whose grad is None is
+    skipped and its t does not advance):
+        m = b1 m + (1 - b1) g;  v = b2 v + (1 - b2) g^2
+        r = (m / (1 - b1^t)) / (sqrt(v / (1 - b2^t)) + eps) + weight_decay w
+        w = w - lr * trust * r,  trust = ||w|| / ||r||, or 1 where either norm is 0.
+    Each line runs as one foreach op over all tensors of a (device, dtype) set instead of one
+    Python-dispatched op per tensor; the per-tensor norms come from ``torch._foreach_norm`` and the
+    trust ratios stay on the device, so a step never waits for the device. State per tensor:
+    "step" (a Python int, as the per-tensor version kept it: the bias corrections are host
+    arithmetic, not device reads), "exp_avg", "exp_avg_sq".
+    """
+
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-6, weight_decay: float = 0.0):
-        if lr <= 0:
+        if not lr > 0:
             raise ValueError(f"lr: must be > 0, got {lr}")
-        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+        if not (len(betas) == 2 and all(0.0 <= b < 1.0 for b in betas)):
+            raise ValueError(f"betas: must be two numbers in [0, 1), got {betas}")
+        if not eps >= 0:
+            raise ValueError(f"eps: must be >= 0, got {eps}")
+        if not weight_decay >= 0:
+            raise ValueError(f"weight_decay: must be >= 0, got {weight_decay}")
+        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
+
+    def load_state_dict(self, state_dict) -> None:
+        super().load_state_dict(state_dict)
+        # A step saved as a tensor (torch's Adam layout) becomes the int that step() counts with;
+        # one read per tensor at load time, never inside step().
+        for state in self.state.values():
+            if torch.is_tensor(state.get("step")):
+                state["step"] = int(state["step"].item())
+
+    def _gather(self, group: dict) -> dict[tuple, list[list]]:
+        """(device, dtype) -> [params, grads, exp_avgs, exp_avg_sqs, steps] of the tensors that have
+        a gradient; creates missing state and advances each tensor's step."""
+        sets: dict[tuple, list[list]] = {}
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            if p.grad.is_sparse:
+                raise ValueError("Lamb: sparse gradients are not supported (use a dense embedding)")
+            state = self.state[p]
+            if not state:
+                state["step"] = 0
+                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["step"] += 1
+            lists = sets.setdefault((p.device, p.dtype), [[], [], [], [], []])
+            for lst, x in zip(lists, (p, p.grad, state["exp_avg"], state["exp_avg_sq"], state["step"])):
+                lst.append(x)
+        return sets
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = closure() if closure is not None else None
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                state = self.state[p]
-                if not state:
-                    state["step"] = 0
-                    state["exp_avg"] = torch.zeros_like(p)
-                    state["exp_avg_sq"] = torch.zeros_like(p)
-                state["step"] += 1
-                m, v = state["exp_avg"], state["exp_avg_sq"]
-                m.mul_(beta1).add_(p.grad, alpha=1 - beta1)
-                v.mul_(beta2).addcmul_(p.grad, p.grad, value=1 - beta2)
-                m_hat = m / (1 - beta1 ** state["step"])
-                v_hat = v / (1 - beta2 ** state["step"])
-                update = m_hat / (v_hat.sqrt() + group["eps"])
-                if group["weight_decay"]:
-                    update.add_(p, alpha=group["weight_decay"])
-                w_norm, u_norm = p.norm(), update.norm()
+            lr, eps, wd = group["lr"], group["eps"], group["weight_decay"]
+            for params, grads, exp_avgs, exp_avg_sqs, steps in self._gather(group).values():
+                torch._foreach_mul_(exp_avgs, beta1)
+                torch._foreach_add_(exp_avgs, grads, alpha=1 - beta1)
+                torch._foreach_mul_(exp_avg_sqs, beta2)
+                torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1 - beta2)
+                # Bias corrections per tensor in float64 on the host (steps differ where a grad was None).
+                bc1 = [1 - beta1 ** t for t in steps]
+                bc2 = [1 - beta2 ** t for t in steps]
+                # r = m_hat / (sqrt(v_hat) + eps), built in one buffer (peak: one extra copy of the
+                # parameters, as torch's foreach Adam): 1 / (bc1 (sqrt(v / bc2) + eps)) * m.
+                update = torch._foreach_div(exp_avg_sqs, bc2)
+                torch._foreach_sqrt_(update)
+                torch._foreach_add_(update, eps)
+                torch._foreach_mul_(update, bc1)
+                torch._foreach_reciprocal_(update)
+                torch._foreach_mul_(update, exp_avgs)
+                if wd:
+                    torch._foreach_add_(update, params, alpha=wd)
+                w_norm = torch.stack(torch._foreach_norm(params))  # (N,)
+                u_norm = torch.stack(torch._foreach_norm(update))  # (N,)
                 trust = torch.where((w_norm > 0) & (u_norm > 0), w_norm / u_norm, torch.ones_like(w_norm))
-                p.add_(update * trust, alpha=-group["lr"])
+                torch._foreach_mul_(update, trust.unbind(0))
+                torch._foreach_add_(params, update, alpha=-lr)
         return loss
 
 
