@@ -15,8 +15,14 @@ same work) in five configurations and reads back each run's summary.json:
 Beside each multi-process run: the measured time to all-reduce one step's gradients (the model's
 fp32 gradient, in DDP's 25 MB buckets, gloo, median of 5 after a warm-up), and the ring model
 2(n-1)/n x bytes / bandwidth. Scaling efficiency = sequences/s / (cores used x sequences/s of the
-1 x 1 reference). Writes RESULTS/bench_ddp.json and RESULTS/README.md (table generated here).
-The namespace rows need root; without it they are left out, with the reason in the README.
+1 x 1 reference). Writes RESULTS/bench_ddp.json and RESULTS/README.md (table generated here, with
+hpcbert.report's Markdown renderer). The namespace rows need root; without it they are left out,
+with the reason in the README.
+
+    python benchmarks/bench_ddp.py --render [--out results/ddp]   README.md again from bench_ddp.json
+
+(`tests/test_report.py::test_benchmark_readme_is_fresh` fails when the committed README is not what
+--render writes.)
 """
 
 from __future__ import annotations
@@ -65,7 +71,8 @@ def check(procs: list[subprocess.Popen], what: str, timeout: float = 600) -> Non
 
 
 def summary_row(name: str, out: Path, ranks: int, threads: int, link: str | None) -> dict:
-    s = json.loads((out / "summary.json").read_text())
+    from hpcbert.runfiles import read_summary
+    s = read_summary(out)
     return {"config": name, "ranks": ranks, "threads_per_rank": threads, "cores": ranks * threads, "link": link,
             "global_batch": s["global_batch_size"], "steps": s["steps"],
             "warmup_steps_excluded": s["warmup_steps_excluded"], "step_time_s": s["steady_step_time_s"],
@@ -129,10 +136,17 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=5, help="all-reduce repetitions after one warm-up")
     p.add_argument("--rates", default="10gbit,1gbit")
     p.add_argument("--out", default=str(ROOT / "results" / "ddp"))
+    p.add_argument("--render", action="store_true",
+                   help="only write OUT/README.md again from OUT/bench_ddp.json (runs nothing)")
     p.add_argument("--allreduce-worker", type=int, default=None, help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.allreduce_worker is not None:
         return allreduce_worker(a.allreduce_worker, a.reps)
+    if a.render:
+        text = render_readme(Path(a.out))
+        (Path(a.out) / "README.md").write_text(text)
+        print(text, end="")
+        return None
 
     from netns import limit_rate, rate_bits, two_nodes, unavailable_reason
     results, out_dir = Path(a.out), Path(tempfile.mkdtemp(prefix="bench_ddp-"))
@@ -196,10 +210,11 @@ def main() -> None:
             if r.get("link_bits_per_s") else None
         r["exposed_comm_s"] = r["step_time_s"] - ref["step_time_s"] if r["ranks"] > 1 else None
     cmd = "python " + " ".join(shlex.quote(x) for x in [str(Path(__file__).relative_to(ROOT)), *sys.argv[1:]])
+    from hpcbert import meters
     meta = {"command": cmd, "model": a.model, "gradient_bytes": nbytes, "bucket_bytes": BUCKET_BYTES,
             "max_seq_length": a.seq, "batch_per_rank": a.batch, "steps": a.steps, "precision": "fp32",
             "allreduce_reps": a.reps,
-            "cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
+            "cpu": platform.processor() or platform.machine(), "cpu_name": meters.cpu_name(), "cores": os.cpu_count(),
             "netns_skipped": reason, "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
             "bench_wall_s": time.time() - started, "load_average_1min": [load_before, os.getloadavg()[0]]}
     results.mkdir(parents=True, exist_ok=True)
@@ -210,12 +225,17 @@ def main() -> None:
     shutil.rmtree(out_dir, ignore_errors=True)  # the figures are in bench_ddp.json
 
 
-def _f(x, fmt="{:.3f}") -> str:
-    return "–" if x is None else fmt.format(x)
+def render_readme(results: Path) -> str:
+    """README.md from RESULTS/bench_ddp.json (what the benchmark wrote), nothing measured here."""
+    from hpcbert.runfiles import read_json_object
+    doc = read_json_object(results / "bench_ddp.json")
+    return render(doc["meta"], doc["rows"])
 
 
 def render(meta: dict, rows: list[dict]) -> str:
-    from hpcbert import meters
+    """The README: what was fixed, one row per configuration, what each column means. Every figure
+    comes from `meta` and `rows` (bench_ddp.json), so rendering again gives the same text."""
+    from hpcbert.report import format_value as f, markdown_grid
     lines = [
         "# Data-parallel scaling: 1 vs 2 processes, and two simulated nodes",
         "",
@@ -226,20 +246,17 @@ def render(meta: dict, rows: list[dict]) -> str:
         f"Fixed: model {meta['model']} ({meta['gradient_bytes'] / 1e6:.1f} MB fp32 gradient, all-reduced in "
         f"{meta['bucket_bytes'] // 2**20} MB buckets), synthetic task padded to {meta['max_seq_length']} tokens, "
         f"{meta['batch_per_rank']} sequences per rank and step (the 1 x 2 run: {2 * meta['batch_per_rank']}), "
-        f"{meta['precision']}, {meta['steps']} steps with the first 2 excluded; CPU {meters.cpu_name()}, "
+        f"{meta['precision']}, {meta['steps']} steps, the first 2 untimed; CPU {meta.get('cpu_name') or meta['cpu']}, "
         f"{meta['cores']} cores shared with other work (1-minute load average {meta['load_average_1min'][0]:.1f} "
         f"before, {meta['load_average_1min'][1]:.1f} after: timings vary run to run); gloo; {meta['date_utc']} UTC.",
         "",
-        "| configuration | cores | global batch | step time (s, median) | sequences/s | all-reduce measured (s/step) "
-        "| ring model (s/step) | step time − 1×1 step (s) | scaling efficiency |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    for r in rows:
-        lines.append(f"| {r['config']} | {r['cores']} | {r['global_batch']} | {_f(r['step_time_s'])} | "
-                     f"{_f(r['sequences_per_sec'], '{:.2f}')} | {_f(r['allreduce_measured_s'])} | "
-                     f"{_f(r['allreduce_ring_model_s'])} | {_f(r['exposed_comm_s'])} | "
-                     f"{_f(r['scaling_efficiency'], '{:.0%}')} |")
-    lines += [
+        markdown_grid(
+            ["configuration", "cores", "global batch", "step time (s, median)", "sequences/s",
+             "all-reduce measured (s/step)", "ring model (s/step)", "step time − 1×1 step (s)", "scaling efficiency"],
+            [[r["config"], str(r["cores"]), str(r["global_batch"]), f(r["step_time_s"]),
+              f(r["sequences_per_sec"], "{:.2f}"), f(r["allreduce_measured_s"]), f(r["allreduce_ring_model_s"]),
+              f(r["exposed_comm_s"]), f(r["scaling_efficiency"], "{:.0%}")] for r in rows],
+            right=[False] + [True] * 8).rstrip("\n"),
         "",
         "- all-reduce measured: one step's gradient in DDP-sized buckets, launched together and waited for "
         f"(gloo), median of {meta['allreduce_reps']} after a warm-up, with no training running beside it.",

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import math
 import os
 import platform
@@ -85,8 +84,10 @@ def write_json(path: Path, obj) -> None:
     write_json_atomic(path, obj)
 
 
-def read_json(path: Path):
-    return json.loads(Path(path).read_text())
+def read_json(path: Path) -> dict:
+    """A JSON object written by this script or a run; one-line error naming the file otherwise."""
+    from hpcbert.runfiles import read_json_object
+    return read_json_object(Path(path))
 
 
 def glue_root(data_dir: str) -> Path:
@@ -622,15 +623,17 @@ def noise_note(a) -> str:
             f"whatever its noise.")
 
 
-def load_line(runs: list[dict], threads: int) -> str:
-    """How much other work shared the machine during the runs (the main source of noise here)."""
+def load_line(runs: list[dict], threads: int, cores: int) -> str:
+    """How much other work shared the machine during the runs (the main source of noise here);
+    `cores`: the measuring machine's (doc["machine"]["cores"]), so rendering again elsewhere gives
+    the same text."""
     during = [r["noise"]["other_cores_during"] for r in runs if r.get("noise")]
     if not during:
         return ""
     waited = sum(r["noise"]["waited_for_quiet_s"] for r in runs if r.get("noise"))
     waited += sum(d["noise"]["waited_for_quiet_s"] for r in runs for d in r.get("discarded_attempts", []))
     discarded = sum(len(r.get("discarded_attempts", [])) for r in runs)
-    return (f"Other work on the machine during the runs ({os.cpu_count()} cores; each run uses {threads} threads): "
+    return (f"Other work on the machine during the runs ({cores} cores; each run uses {threads} threads): "
             f"{min(during):.2f} to {max(during):.2f} cores busy with other processes, median "
             f"{statistics.median(during):.2f} (machine busy CPU time minus the run's own, over its wall time); "
             f"{waited:.0f} s spent in total waiting for a quieter machine before runs; {discarded} attempt(s) "
@@ -642,23 +645,26 @@ def _fmt_list(xs, f="{:.2f}") -> str:
 
 
 def render_throughput(doc: dict) -> str:
+    from hpcbert.report import MISSING, markdown_grid  # imported after use_hpcbert()
     s = doc["settings"]
     lines = [f"Steady sequences/s, MRPC, {MODEL}, batch {s['batch_size']}, max length {s['max_seq_length']}, "
              f"{s['threads']} threads; {s['steps']} steps per run, first {s['warmup_steps_excluded']} excluded; "
              f"{s['repeats']} interleaved repeat(s); ratio = median over repeats of hpcbert/Trainer in the same repeat. "
              f"Matched precision: **{s['matched_precision']}** ({s['matched_precision_reason']}).", ""]
-    lines += ["| comparison | hpcbert | Trainer | hpcbert seq/s (per repeat) | Trainer seq/s (per repeat) "
-              "| padded tokens/seq hpcbert / Trainer | hpcbert / Trainer (median) | same, Trainer callback span "
-              "| best-of-repeats seq/s hpcbert / Trainer | hpcbert / Trainer, best-of-repeats "
-              "| padded tokens/s hpcbert / Trainer |",
-              "|---|---|---|---|---|---|---|---|---|---|---|"]
+    rows = []
     for c in throughput_summary(doc):
-        best = (f"{c['hpcbert_best_seq_s']:.2f} / {c['hf_best_seq_s']:.2f} | {c['ratio_best']:.2f}x"
-                if c.get("ratio_best") else "— | —")
-        lines.append(f"| {c['comparison']} | {c['hpcbert_label']} | {c['hf_label']} | {_fmt_list(c['hpcbert_seq_s'])} "
-                     f"| {_fmt_list(c['hf_seq_s'])} | {c['hpcbert_padded_tokens_per_seq']:.1f} / "
-                     f"{c['hf_padded_tokens_per_seq']:.1f} | **{c['ratio_median']:.2f}x** "
-                     f"| {c['ratio_callback_median']:.2f}x | {best} | {c['ratio_padded_tokens']:.2f}x |")
+        best = ([f"{c['hpcbert_best_seq_s']:.2f} / {c['hf_best_seq_s']:.2f}", f"{c['ratio_best']:.2f}x"]
+                if c.get("ratio_best") else [MISSING, MISSING])
+        rows.append([c["comparison"], c["hpcbert_label"], c["hf_label"], _fmt_list(c["hpcbert_seq_s"]),
+                     _fmt_list(c["hf_seq_s"]),
+                     f"{c['hpcbert_padded_tokens_per_seq']:.1f} / {c['hf_padded_tokens_per_seq']:.1f}",
+                     f"**{c['ratio_median']:.2f}x**", f"{c['ratio_callback_median']:.2f}x", *best,
+                     f"{c['ratio_padded_tokens']:.2f}x"])
+    lines.append(markdown_grid(
+        ["comparison", "hpcbert", "Trainer", "hpcbert seq/s (per repeat)", "Trainer seq/s (per repeat)",
+         "padded tokens/seq hpcbert / Trainer", "hpcbert / Trainer (median)", "same, Trainer callback span",
+         "best-of-repeats seq/s hpcbert / Trainer", "hpcbert / Trainer, best-of-repeats",
+         "padded tokens/s hpcbert / Trainer"], rows).rstrip("\n"))
     lines += ["", "Padded tokens/s: the median seq/s ratio times the ratio of padded tokens per sequence, i.e. the "
                   "rate at which each side pushes (padded) positions through the model. With the same sampler (random "
                   "order on both sides) the two sides still draw different batches (different generators), so over a "
@@ -686,12 +692,11 @@ def render_throughput(doc: dict) -> str:
         lines += [f"hpcbert runs: precision resolved to "
                   f"{', '.join(sorted({r['key'] + ': ' + r['precision'] for r in hp_runs}))}; "
                   f"{hp_runs[0]['threads']} torch threads."]
-    lines += ["", load_line(doc["runs"], s["threads"]), "", *doc.get("notes", [])]
-    lines += ["", "Every run, in the order it ran:", "",
-              "| repeat | run | seq/s | padded tokens/seq | other-work cores during the run |", "|---|---|---|---|---|"]
-    for r in doc["runs"]:
-        lines.append(f"| {r['repeat']} | {r['comparison']}: {r['label']} | {r['steady_sequences_per_sec']:.2f} "
-                     f"| {r['padded_tokens_per_seq']:.1f} | {r['noise']['other_cores_during']:.2f} |")
+    lines += ["", load_line(doc["runs"], s["threads"], doc["machine"]["cores"]), "", *doc.get("notes", [])]
+    lines += ["", "Every run, in the order it ran:", "", markdown_grid(
+        ["repeat", "run", "seq/s", "padded tokens/seq", "other-work cores during the run"],
+        [[str(r["repeat"]), f"{r['comparison']}: {r['label']}", f"{r['steady_sequences_per_sec']:.2f}",
+          f"{r['padded_tokens_per_seq']:.1f}", f"{r['noise']['other_cores_during']:.2f}"] for r in doc["runs"]]).rstrip("\n")]
     return "\n".join(lines)
 
 
@@ -760,38 +765,35 @@ def cmd_accuracy(a) -> int:
     return 0
 
 
-def _mean_std(xs):
-    return statistics.mean(xs), (statistics.stdev(xs) if len(xs) > 1 else float("nan"))
-
-
 def render_accuracy(doc: dict) -> str:
+    from hpcbert.report import format_value, markdown_grid, mean_std  # imported after use_hpcbert()
     s = doc["settings"]
     runs = doc["runs"]
     lines = [f"MRPC dev, {MODEL}, {s['epochs']:g} epochs, batch {s['batch_size']}, lr {s['lr']:g}, precision "
              f"{s['precision']}, seeds {', '.join(map(str, s['seeds']))}"
              + ("" if doc.get("complete") else " — INCOMPLETE: not every run has finished") + ".", ""]
-    lines += ["| side | runs | dev F1 per seed | dev F1 mean ± std | dev accuracy mean ± std | final train loss mean |",
-              "|---|---|---|---|---|---|"]
-    stats = {}
+    rows, stats = [], {}
     for side, label in (("hpcbert", f"hpcbert ({s['hpcbert_sampler']} sampler)"),
                         ("hf", "transformers.Trainer (dynamic padding)")):
         rs = sorted((r for r in runs if r["side"] == side), key=lambda r: r["seed"])
         if not rs:
             continue
-        f1m, f1s = _mean_std([100 * r["f1"] for r in rs])
-        am, asd = _mean_std([100 * r["accuracy"] for r in rs])
+        f1m, f1s = mean_std([100 * r["f1"] for r in rs])
+        am, asd = mean_std([100 * r["accuracy"] for r in rs])
         losses = [r["final_loss"] for r in rs if r.get("final_loss") is not None]
         stats[side] = (f1m, am)
         per_seed = ", ".join(f"{r['seed']}: {100 * r['f1']:.2f}" for r in rs)
-        lines.append(f"| {label} | {len(rs)} | {per_seed} | {f1m:.2f} ± {f1s:.2f} | {am:.2f} ± {asd:.2f} "
-                     f"| {statistics.mean(losses) if losses else float('nan'):.4f} |")
+        rows.append([label, str(len(rs)), per_seed, f"{f1m:.2f} ± {f1s:.2f}", f"{am:.2f} ± {asd:.2f}",
+                     format_value(statistics.mean(losses) if losses else None, "{:.4f}")])
+    lines.append(markdown_grid(["side", "runs", "dev F1 per seed", "dev F1 mean ± std", "dev accuracy mean ± std",
+                                "final train loss mean"], rows).rstrip("\n"))
     if len(stats) == 2:
         lines += ["", f"Difference hpcbert − Trainer: F1 {stats['hpcbert'][0] - stats['hf'][0]:+.2f} points, "
                       f"accuracy {stats['hpcbert'][1] - stats['hf'][1]:+.2f} points (std is the sample std over seeds)."]
     walls = {side: [r["wall_s"] for r in runs if r["side"] == side] for side in ("hpcbert", "hf")}
     lines += ["", "Wall time per run (process start to exit, evaluation included): " + "; ".join(
         f"{side} {statistics.mean(w):.0f} s mean" for side, w in walls.items() if w) + ". "
-        + load_line(runs, s["threads"])]
+        + load_line(runs, s["threads"], doc["machine"]["cores"])]
     lines += ["", *doc.get("notes", [])]
     return "\n".join(lines)
 
@@ -911,22 +913,23 @@ def cmd_breakdown(a) -> int:
 
 
 def render_breakdown(doc: dict) -> str:
+    from hpcbert.report import MISSING, markdown_grid  # imported after use_hpcbert()
     s = doc["settings"]
     lines = [f"hpcbert's model in this process, length 128, {s['threads']} threads, batch: "
              + ", ".join(f"{m} {b}" for m, b in s["models"].items())
-             + f"; median of {s['repeats']} steps after 2 warm-up steps. Forward / step is the time full "
+             + f"; median of {s['repeats']} steps after 2 untimed first steps. Forward / step is the time full "
              "recomputation adds to a step (checkpointing every layer reruns the forward of every layer, "
-             "dropout masks redrawn from the saved RNG state), so `all` costs about 1 + that share. Random weights (the time does not depend on their values).", "",
-             "| model | precision | dropout | forward s | backward s | optimizer s | forward / step "
-             "| forward with dropout / without |", "|---|---|---|---|---|---|---|---|"]
+             "dropout masks redrawn from the saved RNG state), so `all` costs about 1 + that share. Random weights (the time does not depend on their values).", ""]
     rows = doc["rows"]
+    cells = []
     for r in rows:
         off = next((x for x in rows if x["model"] == r["model"] and x["precision"] == r["precision"]
                     and not x["dropout"]), None)
-        rel = f"{r['forward_s'] / off['forward_s']:.2f}x" if (r["dropout"] and off) else "—"
-        lines.append(f"| {r['model']} | {r['precision']} | {'on (0.1)' if r['dropout'] else 'off'} "
-                     f"| {r['forward_s']:.3f} | {r['backward_s']:.3f} | {r['optimizer_s']:.3f} "
-                     f"| {r['forward_share_of_step']:.2f} | {rel} |")
+        rel = f"{r['forward_s'] / off['forward_s']:.2f}x" if (r["dropout"] and off) else MISSING
+        cells.append([r["model"], r["precision"], "on (0.1)" if r["dropout"] else "off", f"{r['forward_s']:.3f}",
+                      f"{r['backward_s']:.3f}", f"{r['optimizer_s']:.3f}", f"{r['forward_share_of_step']:.2f}", rel])
+    lines.append(markdown_grid(["model", "precision", "dropout", "forward s", "backward s", "optimizer s",
+                                "forward / step", "forward with dropout / without"], cells).rstrip("\n"))
     return "\n".join(lines)
 
 
@@ -966,42 +969,42 @@ def policies_summary(doc: dict) -> list[dict]:
 
 
 def render_policies(doc: dict) -> str:
+    from hpcbert.report import MISSING, markdown_grid  # imported after use_hpcbert()
     s = doc["settings"]
     lines = [f"hpcbert, synthetic task, length 128 (every batch padded to 128), {s['threads']} threads, "
              f"{s['steps']} steps per run, first {s['warmup_steps_excluded']} excluded, {s['repeats']} interleaved "
-             f"repeat(s); batch: " + ", ".join(f"{m} {b}" for m, b in s["models"].items()) + ".", "",
-             "| model | policy | activation MiB/seq | bytes vs none | target | fastest step s | time vs none "
-             "(fastest steps) | median step s (per repeat) | time vs none (median of per-repeat median ratios) "
-             "| target | verdict (fastest steps) | verdict (medians) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             f"repeat(s); batch: " + ", ".join(f"{m} {b}" for m, b in s["models"].items()) + ".", ""]
 
     def verdict(r, time_ok):
         if not r["bytes_ok"] or not time_ok:
             return "MISS (" + ", ".join(w for w, ok in (("bytes", r["bytes_ok"]), ("time", time_ok)) if not ok) + ")"
         return "PASS"
 
+    rows = []
     for r in policies_summary(doc):
         if "target_bytes" in r:
-            tgt = f"≤ {r['target_bytes']:.2f}x bytes, ≤ {r['target_time']:.2f}x time"
-            v1, v2 = verdict(r, r["time_ok"]), verdict(r, r["median_time_ok"])
+            tgt_bytes, tgt_time = f"≤ {r['target_bytes']:.2f}x bytes", f"≤ {r['target_time']:.2f}x time"
+            v1, v2 = f"**{verdict(r, r['time_ok'])}**", verdict(r, r["median_time_ok"])
         else:
-            tgt = v1 = v2 = "—"
-        lines.append(f"| {r['model']} | {r['policy']} | {r['activation_bytes_per_sequence'] / 2**20:.2f} "
-                     f"| {r['bytes_ratio']:.2f}x | {tgt.split(', ')[0]} | {r['fastest_step_s']:.3f} "
-                     f"| **{r['time_ratio']:.2f}x** | {_fmt_list(r['step_time_s'], '{:.3f}')} "
-                     f"| {r['median_time_ratio']:.2f}x | {tgt.split(', ')[-1]} | {'**' + v1 + '**' if v1 != '—' else v1} | {v2} |")
+            tgt_bytes = tgt_time = v1 = v2 = MISSING
+        rows.append([r["model"], r["policy"], f"{r['activation_bytes_per_sequence'] / 2**20:.2f}",
+                     f"{r['bytes_ratio']:.2f}x", tgt_bytes, f"{r['fastest_step_s']:.3f}", f"**{r['time_ratio']:.2f}x**",
+                     _fmt_list(r["step_time_s"], "{:.3f}"), f"{r['median_time_ratio']:.2f}x", tgt_time, v1, v2])
+    lines.append(markdown_grid(
+        ["model", "policy", "activation MiB/seq", "bytes vs none", "target", "fastest step s",
+         "time vs none (fastest steps)", "median step s (per repeat)",
+         "time vs none (median of per-repeat median ratios)", "target", "verdict (fastest steps)",
+         "verdict (medians)"], rows).rstrip("\n"))
     lines += ["", "Fastest steps: every step of these runs does the same work (batches padded to 128), and other "
                   "work on the machine only ever adds time, so the fastest steady step over all repeats of a "
                   "policy is the best estimate of its uncontended step time; the ratio divides it by the same "
                   "figure for `none`. The median-based ratio (each run's median step, per-repeat ratio to `none`, "
                   "median over repeats) is shown beside it; the two agree only where the machine was quiet."]
-    lines += ["", load_line(doc["runs"], s["threads"]), "", *doc.get("notes", [])]
-    lines += ["", "Every run, in the order it ran:", "",
-              "| repeat | model | policy | median step s | mean step s | other-work cores during the run |",
-              "|---|---|---|---|---|---|"]
-    for r in doc["runs"]:
-        lines.append(f"| {r['repeat']} | {r['model']} | {r['policy']} | {r['steady_step_time_s']:.3f} "
-                     f"| {r['mean_step_time_s']:.3f} | {r['noise']['other_cores_during']:.2f} |")
+    lines += ["", load_line(doc["runs"], s["threads"], doc["machine"]["cores"]), "", *doc.get("notes", [])]
+    lines += ["", "Every run, in the order it ran:", "", markdown_grid(
+        ["repeat", "model", "policy", "median step s", "mean step s", "other-work cores during the run"],
+        [[str(r["repeat"]), r["model"], r["policy"], f"{r['steady_step_time_s']:.3f}", f"{r['mean_step_time_s']:.3f}",
+          f"{r['noise']['other_cores_during']:.2f}"] for r in doc["runs"]]).rstrip("\n")]
     return "\n".join(lines)
 
 
@@ -1018,8 +1021,10 @@ def _machine_line(doc: dict) -> str:
             f"{m.get('hpcbert_source', {}).get('note') or m.get('git_commit') or 'unknown'}")
 
 
-def cmd_render(a) -> int:
-    results = Path(a.results_dir)
+def render_readme(results: Path) -> str:
+    """results/compare_hf/README.md from the JSON files in `results`; nothing measured here, so
+    rendering again gives the same text (tests/test_report.py::test_benchmark_readme_is_fresh)."""
+    results = Path(results)
     sections = [
         ("Throughput", "throughput.json", render_throughput),
         ("Accuracy", "accuracy.json", render_accuracy),
@@ -1044,8 +1049,12 @@ def cmd_render(a) -> int:
         doc = read_json(path)
         out += ["```", doc["command"], "```", "",
                 f"Measured {doc['date']} on {_machine_line(doc)}.", "", fn(doc), ""]
-    text = "\n".join(out)
-    (results / "README.md").write_text(text)
+    return "\n".join(out)
+
+
+def cmd_render(a) -> int:
+    text = render_readme(Path(a.results_dir))
+    (Path(a.results_dir) / "README.md").write_text(text)
     print(text)
     return 0
 

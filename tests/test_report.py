@@ -8,6 +8,7 @@ from __future__ import annotations
 import io
 import json
 import math
+import os
 import re
 import subprocess
 import sys
@@ -132,11 +133,78 @@ def test_caption_states_what_is_fixed_and_how_throughput_was_measured(tmp_path):
                   "hardware Tesla V100-SXM2-32GB", "time budget 1200 s"):
         assert fixed in cap
     assert "nodes x GPUs" not in cap and "grad_ckpt" not in cap.split("Throughput")[0]  # they vary
-    # The runs differ in length, so in their step ranges: the caption says so once.
-    assert THROUGHPUT_METHOD.format(steps="N") + " (N differs between runs)." in cap
-    assert "Warm-up steps excluded from the steady figures: 10." in cap
+    # How a step is timed, once; which steps, per row and named (THROUGHPUT_METHOD: the first 10
+    # steps are untimed, the last is the run's step count).
+    assert "Throughput: summed step times of the timed steps; a step runs from its first batch" in cap
+    assert ("Timed steps per row: 1gpu 11..2938; 1gpu-ckpt 11..2800; 4gpu 11..1600; 8gpu 11..1225 "
+            "(the steps before them are untimed first steps") in cap
+    assert "N..N" not in cap and "differs between runs" not in cap
     cap = report.caption_text(table_of(tmp_path / "policies"))
     assert "model bert-base (random init)" in cap and "nodes x GPUs 1x1" in cap
+    assert "Timed steps: 11..500 in every run" in cap
+
+
+def test_timed_steps_name_the_runs_of_a_row_where_they_differ(tmp_path):
+    # Two seeds of one configuration that stopped at different steps (a time box), one with 5
+    # untimed first steps: the row names each run with its own timed steps.
+    make_run(tmp_path, "mrpc-s1", config={"seed": 1}, steps_in_budget=900)
+    make_run(tmp_path, "mrpc-s2", config={"seed": 2}, steps_in_budget=950, warmup_steps_excluded=5,
+             throughput_method=THROUGHPUT_METHOD.format(steps=950).replace("11..", "6..").replace("first 10", "first 5"))
+    make_run(tmp_path, "other", config={"lr": 1e-4}, steps_in_budget=700)
+    cap = report.caption_text(table_of(tmp_path))
+    assert ("Timed steps per row: mrpc (mrpc-s1 11..900, mrpc-s2 6..950); other 11..700 (the steps before "
+            "them are untimed first steps") in cap
+
+
+def test_markdown_leaves_columns_that_are_the_same_in_every_row_to_the_caption(tmp_path):
+    make_study(tmp_path)
+    table = table_of(tmp_path / "scaling")
+    md = _parse_md_table(report.render_markdown(table))
+    # Same in every row: task, model, seq_len, precision, compile, hardware, per_device_batch,
+    # grad_accum, optimizer (make_study); they vary: world size, nodes, global batch, grad_ckpt, seeds.
+    fixed = ["task", "model", "seq_len", "precision", "compile", "hardware", "per_device_batch", "grad_accum",
+             "optimizer"]
+    assert not set(fixed) & set(md.columns), md.columns
+    assert {"run", "seeds", "seed", "nodes_x_gpus", "world_size", "global_batch", "grad_ckpt", "seq_per_s",
+            "accuracy"} <= set(md.columns)
+    cap = report.caption_text(table)
+    for stated in ("task mrpc", "model minilm-l6", "max_seq_length 128", "precision bf16", "compile off",
+                   "hardware Tesla V100-SXM2-32GB", "per_device_batch 32", "grad_accum 1", "optimizer lamb"):
+        assert stated in cap, stated
+    # Machines get every column.
+    assert set(fixed) <= set(pd.read_csv(io.StringIO(report.render_csv(table)), comment="#").columns)
+    assert set(fixed) <= set(json.loads(report.render_json(table))["rows"][0])
+    # Figures: kept in a one-row table; with several rows a figure equal everywhere joins the caption,
+    # and one that no row has is named as not measured.
+    policies = table_of(tmp_path / "policies")
+    md = _parse_md_table(report.render_markdown(policies))
+    assert "startup_s" not in md.columns and "steps_in_budget" not in md.columns and "seq_per_s" in md.columns
+    cap = report.caption_text(policies)
+    assert "Same in every row: startup_s 30.0;" in cap
+    assert "Not measured in any row: steps_in_budget, seq_in_budget." in cap
+    make_run(tmp_path / "one", "solo", steps_in_budget=None)
+    solo = table_of(tmp_path / "one")
+    md = _parse_md_table(report.render_markdown(solo))
+    assert list(md.columns)[:3] == ["run", "steps_per_s", "seq_per_s"] and "startup_s" in md.columns
+    assert "steps_in_budget" not in md.columns
+    page = tmp_path / "r.html"
+    assert report.cli([str(tmp_path / "scaling"), "--format", "html", "--out", str(page)]) == 0
+    head = re.search(r"<thead>(.*?)</thead>", page.read_text()).group(1)
+    assert "<th>optimizer</th>" not in head and "<th>grad_<wbr>ckpt</th>" in head
+
+
+def test_report_text_says_untimed_first_steps_never_warm_up(tmp_path):
+    # The training log's 'warm-up' is the learning-rate schedule's; the report's excluded steps are
+    # 'untimed first steps' in every format (the summary key warmup_steps_excluded stays).
+    make_study(tmp_path)
+    for fmt in ("md", "csv", "json", "html"):
+        out = tmp_path / f"r.{fmt}"
+        assert report.cli([str(tmp_path), "--format", fmt, "--out", str(out)]) == 0
+        text = out.read_text()
+        assert not re.search(r"(?i)warm-?up", text), (fmt, re.search(r"(?i).{60}warm-?up.{20}", text))
+        assert "untimed first steps" in text, fmt
+    readme = report.render_results_readme(tmp_path)
+    assert not re.search(r"(?i)warm-?up", readme) and "untimed first steps" in readme
 
 
 def test_find_run_dirs_does_not_descend_into_runs(tmp_path):
@@ -200,7 +268,7 @@ def test_markdown_csv_and_json_parse_back_to_the_same_numbers(tmp_path):
     for col in report.display_columns(table):
         if col not in numeric:
             continue
-        tol = 0.5 * 10 ** -report._decimals(col) + 1e-9 if f"{col}_std" in table.columns or \
+        tol = 0.5 * 10 ** -report.decimals(col) + 1e-9 if f"{col}_std" in table.columns or \
             pd.api.types.is_float_dtype(table[col]) else 0
         for i in range(len(table)):
             mean, std = _md_number(md[col].iloc[i])
@@ -377,6 +445,34 @@ def test_results_readme_is_fresh():
     else:
         with pytest.raises(RunDirError, match="no hpcbert runs to report"):
             report.render_results_readme(results)
+
+
+def _benchmark_script(name: str):
+    """benchmarks/NAME.py as a module (its generator functions; nothing runs at import)."""
+    import importlib.util
+
+    env = dict(os.environ)  # compare_hf switches the Hugging Face hubs off at import
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", ROOT / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        os.environ.clear()
+        os.environ.update(env)
+    return module
+
+
+@pytest.mark.parametrize("script, folder, command", [
+    ("compare_hf", "compare_hf", "python benchmarks/compare_hf.py render"),
+    ("bench_ddp", "ddp", "python benchmarks/bench_ddp.py --render"),
+])
+def test_benchmark_readme_is_fresh(script, folder, command):
+    """The benchmark scripts' READMEs are what their generators write from the committed JSON."""
+    results = ROOT / "results" / folder
+    readme = results / "README.md"
+    actual = readme.read_text() if readme.is_file() else "(missing)"
+    assert actual == _benchmark_script(script).render_readme(results), (
+        f"results/{folder}/README.md is stale: regenerate it from the project root with `{command}`")
 
 
 @pytest.mark.slow

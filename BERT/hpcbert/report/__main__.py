@@ -1,0 +1,5 @@
+"""python -m hpcbert.report ... (the same as `hpcbert report ...`)."""
+
+from .cli import main
+
+main()
