@@ -80,19 +80,17 @@ class Lamb(torch.optim.Optimizer):
             beta1, beta2 = group["betas"]
             lr, eps, wd = group["lr"], group["eps"], group["weight_decay"]
             for params, grads, exp_avgs, exp_avg_sqs, steps in self._gather(group).values():
-                torch._foreach_mul_(exp_avgs, beta1)
-                torch._foreach_add_(exp_avgs, grads, alpha=1 - beta1)
+                torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)  # m + (1 - b1)(g - m): one pass, as torch's Adam
                 torch._foreach_mul_(exp_avg_sqs, beta2)
                 torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1 - beta2)
-                # Bias corrections per tensor in float64 on the host (steps differ where a grad was None).
+                # Bias corrections per tensor, in float64 on the host (steps differ where a grad was None).
                 bc1 = [1 - beta1 ** t for t in steps]
                 bc2 = [1 - beta2 ** t for t in steps]
-                # r = m_hat / (sqrt(v_hat) + eps), built in one buffer (peak: one extra copy of the
-                # parameters, as torch's foreach Adam): 1 / (bc1 (sqrt(v / bc2) + eps)) * m.
-                update = torch._foreach_div(exp_avg_sqs, bc2)
-                torch._foreach_sqrt_(update)
-                torch._foreach_add_(update, eps)
-                torch._foreach_mul_(update, bc1)
+                # r = (m / bc1) / (sqrt(v / bc2) + eps) = m / (sqrt(v) bc1 / sqrt(bc2) + bc1 eps), built in
+                # one buffer (peak: one extra copy of the parameters, as torch's foreach Adam).
+                update = torch._foreach_sqrt(exp_avg_sqs)
+                torch._foreach_mul_(update, [b1 / math.sqrt(b2) for b1, b2 in zip(bc1, bc2)])
+                torch._foreach_add_(update, [b1 * eps for b1 in bc1])
                 torch._foreach_reciprocal_(update)
                 torch._foreach_mul_(update, exp_avgs)
                 if wd:
@@ -100,8 +98,8 @@ class Lamb(torch.optim.Optimizer):
                 w_norm = torch.stack(torch._foreach_norm(params))  # (N,)
                 u_norm = torch.stack(torch._foreach_norm(update))  # (N,)
                 trust = torch.where((w_norm > 0) & (u_norm > 0), w_norm / u_norm, torch.ones_like(w_norm))
-                torch._foreach_mul_(update, trust.unbind(0))
-                torch._foreach_add_(params, update, alpha=-lr)
+                # w -= lr * trust * r in one pass; the (N,) trust ratios stay on the device (no sync).
+                torch._foreach_addcmul_(params, update, (trust * -lr).unbind(0))
         return loss
 
 
