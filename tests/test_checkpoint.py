@@ -20,12 +20,19 @@ def state(step):
 
 def test_save_list_latest_load_and_retention(tmp_path):
     mgr = CheckpointManager(tmp_path, keep_last=2)
+    torch.manual_seed(0)
     for step in (10, 20, 30):
         mgr.save(step, state(step), {"rng": torch.get_rng_state()})
+        saved_stream = torch.rand(5)  # what the run draws right after the step-30 save
+    torch.rand(1000)  # the RNG moves on: the current state is no longer the saved one
+    assert not torch.equal(torch.rand(5), saved_stream)
     assert [c.step for c in mgr.list()] == [20, 30]  # keep_last=2 pruned step 10
     ck = mgr.latest()
     shared, mine = mgr.load(ck)
-    assert ck.step == 30 and shared["step"] == 30 and torch.equal(mine["rng"], torch.get_rng_state())
+    assert ck.step == 30 and shared["step"] == 30
+    assert torch.equal(shared["model"]["w"], torch.full((64, 64), 30.0))
+    torch.set_rng_state(mine["rng"])
+    assert torch.equal(torch.rand(5), saved_stream)  # the restored stream continues where it was saved
     assert not list(tmp_path.glob(".step-*"))  # no temporary directories left behind
 
 

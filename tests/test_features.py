@@ -34,7 +34,9 @@ def test_epoch_visits_every_example_once(sampler):
     order = epoch_order(lengths, sampler, seed=1, epoch=0, global_batch=32)
     assert sorted(order.tolist()) == list(range(1001))
     batches = global_batches(order, 32)
-    assert sum(len(b) for b in batches) == 1001 and len(batches[-1]) == 1001 % 32 or len(batches[-1]) == 32
+    # 1001 = 31 * 32 + 9: 31 full batches and a short last one of 9 (kept, not dropped).
+    assert [len(b) for b in batches] == [32] * 31 + [9]
+    assert np.array_equal(np.concatenate(batches), order)  # cut in order, nothing reordered
 
 
 def test_length_grouping_cuts_padding_and_reshuffles_per_epoch():

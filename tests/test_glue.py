@@ -146,6 +146,15 @@ MALFORMED = [
     ("sts-b", "dev", "STS-B/dev.tsv", 3, _set_column(9, "-0.25"), "score '-0.25' outside [0, 5]"),
     ("sts-b", "dev", "STS-B/dev.tsv", 2, _set_column(9, "nan"), "score 'nan' is not a number"),
     ("sts-b", "dev", "STS-B/dev.tsv", 2, _set_column(9, ""), "score '' is not a number"),
+    # float() takes these, but none is an STS-B score (found by tests/test_fuzz_readers.py)
+    ("sts-b", "dev", "STS-B/dev.tsv", 2, _set_column(9, "0_5"), "score '0_5' is not a number"),
+    ("sts-b", "dev", "STS-B/dev.tsv", 3, _set_column(9, "\u0663"), "score '\u0663' is not a number"),
+    ("sts-b", "train", "STS-B/train.tsv", 2, _set_column(9, "1e0"), "score '1e0' is not a number"),
+    ("sts-b", "train", "STS-B/train.tsv", 4, _set_column(9, "infinity"), "score 'infinity' is not a number"),
+    ("sst-2", "train", "SST-2/train.tsv", 3, lambda line: line.replace(" ", "\x00", 1),  # "contains\x00no wit"
+     "NUL byte at byte 8; GLUE files are UTF-8 text (is this file UTF-16 or binary?)"),
+    ("sst-2", "train", "SST-2/train.tsv", 1, lambda line: "label\tsentence\tlabel",
+     "header names column(s) 'label' more than once"),
     ("sst-2", "train", "SST-2/train.tsv", 4, _set_column(0, "   "), "empty text in column 'sentence'"),
     ("rte", "train", "RTE/train.tsv", 3, _set_column(2, ""), "empty text in column 'sentence2'"),
     ("mrpc", "dev", "MRPC/dev.tsv", 2, _set_column(3, " "), "empty text in column '#1 String'"),
@@ -181,6 +190,18 @@ def test_invalid_utf8_names_the_line(glue_dir):
     path.write_bytes(b"\n".join(lines))
     with pytest.raises(GlueFormatError, match=r":3: not valid UTF-8"):
         read_split(glue_dir, "rte", "train")
+
+
+@pytest.mark.parametrize("encoding", ["utf-16", "utf-16-le", "utf-16-be"])
+def test_utf16_file_is_named_as_such(glue_dir, encoding):
+    path = glue_dir / "SST-2" / "dev.tsv"
+    text = path.read_text(encoding="utf-8")
+    path.write_bytes(("\ufeff" if encoding != "utf-16" else "").encode(encoding) + text.encode(encoding))
+    with pytest.raises(GlueFormatError, match=r":1: starts with a UTF-16 byte-order mark"):
+        read_split(glue_dir, "sst-2", "dev")
+    path.write_bytes(text.encode("utf-16-le"))  # no byte-order mark: NUL bytes between the letters
+    with pytest.raises(GlueFormatError, match=r":1: NUL byte at byte 1; .* UTF-16"):
+        read_split(glue_dir, "sst-2", "dev")
 
 
 @pytest.mark.parametrize("content, reason", [

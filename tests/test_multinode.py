@@ -56,7 +56,23 @@ def test_host_list_needs_a_job_id_and_finds_this_node_by_local_address():
         launch.discover({}, hosts=["10.9.9.1", "127.0.0.1"])
     nodes = launch.discover({}, hosts=["10.9.9.1", "127.0.0.1"], job_id="run1")  # 127.0.0.1 is local here
     assert nodes.node_rank == 1 and nodes.head == "10.9.9.1"
-    assert launch.default_port("run1") == launch.default_port("run1") and 29400 <= launch.default_port("run1") < 29900
+
+
+def test_default_port_is_the_same_in_every_process_and_spreads_over_job_ids():
+    # Every node derives the port on its own, so it must not depend on anything that differs between
+    # interpreters (str hashes are salted per process: PYTHONHASHSEED). Ask fresh interpreters.
+    jobs = ["run1", "4242", "77.pbs01"]
+    here = [launch.default_port(j) for j in jobs]
+    code = f"from hpcbert import launch; print([launch.default_port(j) for j in {jobs!r}])"
+    for seed in ("0", "1", "random"):
+        r = subprocess.run([sys.executable, "-c", code], env={**run_env(), "PYTHONHASHSEED": seed},
+                           capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0, r.stderr
+        assert r.stdout.strip() == str(here), f"PYTHONHASHSEED={seed}"
+    # Inside the documented range, and two jobs sharing a head node rarely collide.
+    ports = [launch.default_port(f"job-{i}") for i in range(200)]
+    assert all(29400 <= p < 29900 for p in ports)
+    assert len(set(ports)) > 150  # 200 draws from 500 ports: ~165 distinct expected if spread evenly
 
 
 def test_dry_run_prints_the_environment_and_command():

@@ -234,12 +234,19 @@ def _numbered_lines(path: Path) -> Iterator[tuple[int, str]]:
 
     Lines are split on '\\n' only (with a '\\r' before it removed): sentences may contain other
     Unicode line breaks that str.splitlines() would split on. Decoding line by line lets an
-    encoding error name its line.
+    encoding error name its line. A NUL byte is refused: it is valid UTF-8 but never GLUE text,
+    and it is what a UTF-16 file read as UTF-8 looks like (ASCII letters with NULs between them).
     """
     with open(path, "rb") as f:
         for number, raw in enumerate(f, start=1):
             if number == 1:
+                if raw.startswith((codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)):
+                    raise GlueFormatError(path, 1, "starts with a UTF-16 byte-order mark; GLUE files are UTF-8 "
+                                                   "(re-save the file as UTF-8)")
                 raw = raw.removeprefix(codecs.BOM_UTF8)
+            if b"\x00" in raw:
+                reason = f"NUL byte at byte {raw.index(0)}; GLUE files are UTF-8 text (is this file UTF-16 or binary?)"
+                raise GlueFormatError(path, number, reason)
             try:
                 text = raw.decode("utf-8")
             except UnicodeDecodeError as e:
@@ -260,6 +267,9 @@ def _read_header(path: Path, lines: Iterator[tuple[int, str]], layout: _Layout) 
         raise GlueFormatError(
             path, 1, f"header lacks column(s) {', '.join(map(repr, missing))}; found {names}"
         )
+    twice = [c for c in needed if names.count(c) > 1]
+    if twice:  # which of the two holds the data is a guess; refuse rather than read the wrong one
+        raise GlueFormatError(path, 1, f"header names column(s) {', '.join(map(repr, twice))} more than once: {names}")
     return names
 
 
@@ -300,15 +310,19 @@ def _label(path: Path, number: int, value: str, spec: TaskSpec) -> int | float:
         raise GlueFormatError(path, number, f"label {raw!r} not in {spec.labels}") from None
 
 
+_DECIMAL = re.compile(r"[+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)\Z")
+
+
 def _score(path: Path, number: int, raw: str) -> float:
-    """An STS-B similarity score; NaN, infinities and values outside [0, 5] are rejected."""
+    """An STS-B similarity score: a plain decimal ('5.000', '0', '3.8') in [0, 5].
+
+    Checked against a signed decimal pattern before float(): float() also takes '0_5' (= 5.0), other
+    scripts' digits (Arabic-Indic 3 = 3.0), exponents, 'nan' and 'inf', none of which is a score.
+    """
     low, high = _SCORE_RANGE
-    try:
-        score = float(raw)
-    except ValueError:
-        score = math.nan
+    score = float(raw) if _DECIMAL.match(raw) else math.nan
     if not math.isfinite(score):
-        reason = f"score {raw!r} is not a number; expected a float in [{low:g}, {high:g}]"
+        reason = f"score {raw!r} is not a number; expected a decimal like 3.800 in [{low:g}, {high:g}]"
         raise GlueFormatError(path, number, reason)
     if not low <= score <= high:
         raise GlueFormatError(path, number, f"score {raw!r} outside [{low:g}, {high:g}]")
