@@ -14,6 +14,11 @@
 # poison the image's Python) and the variables the run needs are passed by name as APPTAINERENV_*
 # / SINGULARITYENV_* (not --env, which splits values at commas: CUDA_VISIBLE_DEVICES=0,1 would break).
 # PYTHONNOUSERSITE=1 keeps ~/.local (bound with $HOME) from shadowing the image's packages.
+#
+# The hpcbert that runs is this checkout's, the same as the launcher on the host: the checkout is
+# bound at its own path and PYTHONPATH=CHECKOUT/BERT is set inside (it comes before the image's
+# site-packages, so the image's installed hpcbert is not used); the image provides torch and the
+# other dependencies. A copy of this script outside a checkout runs the image's hpcbert, and says so.
 set -euo pipefail
 
 die() { echo "singularity/exec.sh: $*" >&2; exit 2; }
@@ -31,7 +36,7 @@ while [ $# -gt 0 ]; do
     --no-nv) nv=0; shift ;;
     --no-cleanenv) cleanenv=0; shift ;;
     --) shift; break ;;
-    -h|--help) sed -n '2,16p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,21p' "$0"; exit 0 ;;
     *) die "unknown option $1 (options go before --, the command after it)" ;;
   esac
 done
@@ -57,6 +62,14 @@ args=(exec)
 [ "$cleanenv" = 1 ] && args+=(--cleanenv)
 for b in "${binds[@]}"; do [ -z "$b" ] || args+=(--bind "$b"); done
 args+=(--env PYTHONNOUSERSITE=1)
+checkout=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+if [ -f "$checkout/BERT/hpcbert/__init__.py" ]; then
+  case $checkout in *[,:]*) die "the checkout path $checkout holds ',' or ':', which a bind cannot carry; move it" ;; esac
+  args+=(--bind "$checkout")
+else
+  echo "singularity/exec.sh: $checkout/BERT/hpcbert is not there: the image's hpcbert runs" >&2
+  checkout=
+fi
 
 # Pass the run's variables in by name: rendezvous and torchrun settings, scheduler, hpcbert contract,
 # threads, GPUs, communication libraries.
@@ -70,5 +83,7 @@ for v in $(compgen -e); do
     *) case $extra in *" $v "*) export "$prefix$v=${!v}" ;; esac ;;
   esac
 done
+# The checkout's hpcbert first, inside (the host's PYTHONPATH stays out with the rest of its environment).
+[ -z "$checkout" ] || export "${prefix}PYTHONPATH=$checkout/BERT"
 
 exec "$runtime" "${args[@]}" "$image" "$@"

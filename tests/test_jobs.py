@@ -12,7 +12,9 @@ import shlex
 import signal
 import subprocess
 import sys
+import textwrap
 import time
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -50,6 +52,15 @@ def stub(path: Path, body: str) -> Path:
     return path
 
 
+def threads(text: str, **env: str) -> int:
+    """OMP_NUM_THREADS as the script's CORES and OMP_NUM_THREADS lines set it, in this environment."""
+    lines = [line for line in text.splitlines() if line.startswith(("CORES=", "export OMP_NUM_THREADS="))]
+    assert len(lines) == 2, lines
+    r = subprocess.run(["bash", "-c", "\n".join([*lines, 'echo "$OMP_NUM_THREADS"'])], capture_output=True,
+                       text=True, env=dict(os.environ, **env), check=True)
+    return int(r.stdout)
+
+
 # --- directives -------------------------------------------------------------------------------
 
 def test_slurm_directives_and_threads():
@@ -59,8 +70,9 @@ def test_slurm_directives_and_threads():
         "#SBATCH --gpus-per-node=4", "#SBATCH --cpus-per-task=32", "#SBATCH --time=01:30:00",
         "#SBATCH --signal=B:USR1@540", "#SBATCH --partition=gpu", "#SBATCH --account=proj1",
         "#SBATCH --output=%x-%j.out"]
-    assert "export OMP_NUM_THREADS=8\n" in text  # 32 cores / 4 processes
-    assert "srun --nodes=2 --ntasks=2 --ntasks-per-node=1 --cpus-per-task=32" in text
+    assert threads(text, SLURM_CPUS_ON_NODE="64") == 8  # 32 cores asked for / 4 processes
+    assert "CORES=32  # --cpus-per-node\n" in text
+    assert 'srun --nodes=2 --ntasks=2 --ntasks-per-node=1 --cpus-per-task="$CORES"' in text
     assert '"$BOOTSTRAP" --nproc-per-node 4 --' in text
     assert "$(( $(date +%s) + 5400 - 540 ))" in text  # deadline: start + walltime - margin
 
@@ -81,8 +93,40 @@ def test_torque_directives_and_pbsdsh_once_per_node():
         "#PBS -N hpcbert", "#PBS -l nodes=2:ppn=16:gpus=4", "#PBS -l walltime=01:30:00", "#PBS -A acct",
         "#PBS -j oe"]
     assert "LAUNCH=(pbsdsh -u -- /bin/bash" in text
-    no_gpu = render(spec("torque", gpus_per_node=0, procs_per_node=2), "cmd")
-    assert "#PBS -l nodes=2:ppn=2\n" in no_gpu
+    no_gpu = render(spec("torque", gpus_per_node=0, procs_per_node=2, cpus_per_node=4), "cmd")
+    assert "#PBS -l nodes=2:ppn=4\n" in no_gpu
+
+
+def test_a_cpu_job_gets_whole_nodes_and_threads_from_the_cores_it_was_given(job_sandbox):
+    """--gpus-per-node 0 without --cpus-per-node: not one core per process but every core of each
+    node (Slurm --exclusive, PBS Pro place=excl), split between the workers when the job starts."""
+    tmp_path, env = job_sandbox
+    slurm = render(spec("slurm", gpus_per_node=0, procs_per_node=2), "cmd")
+    assert directive_lines(slurm, "#SBATCH")[:5] == [
+        "#SBATCH --job-name=hpcbert", "#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=1", "#SBATCH --exclusive",
+        "#SBATCH --time=01:30:00"]
+    assert "--cpus-per-task" not in "".join(directive_lines(slurm, "#SBATCH"))
+    r, rec = run_script(slurm, tmp_path, dict(env, SLURM_JOB_ID="3", SLURM_CPUS_ON_NODE="48",
+                                              SLURM_SUBMIT_DIR=str(tmp_path)))
+    assert r.returncode == 0, r.stderr
+    assert rec["env"]["OMP_NUM_THREADS"] == "24"  # 48 cores / 2 workers
+    assert (tmp_path / "record.json.launcher").read_text().startswith(
+        "srun --nodes=2 --ntasks=2 --ntasks-per-node=1 --cpus-per-task=48 ")  # the bootstrap gets them all
+    assert "2 node(s) x 2 process(es) x 24 thread(s)" in r.stderr
+
+    pbs = render(spec("pbs", gpus_per_node=0, procs_per_node=2), "cmd")
+    assert directive_lines(pbs, "#PBS")[1:3] == ["#PBS -l select=2:ncpus=2:mpiprocs=1", "#PBS -l place=scatter:excl"]
+    stub(tmp_path / "bin" / "nproc", "#!/bin/sh\necho 36\n")  # the cores PBS lets the job use
+    (tmp_path / "record.json.launcher").unlink()
+    r, rec = run_script(pbs, tmp_path, dict(env, PBS_JOBID="9.server", PBS_O_WORKDIR=str(tmp_path),
+                                            OMP_NUM_THREADS="2"))
+    assert r.returncode == 0, r.stderr
+    assert rec["env"]["OMP_NUM_THREADS"] == "18"  # PBS's 2 (= ncpus) replaced: 36 cores / 2 workers
+    assert threads(pbs, SLURM_CPUS_ON_NODE="1") == 1  # never 0
+    assert threads(render(spec("slurm", gpus_per_node=0, procs_per_node=2, cpus_per_node=6), "cmd")) == 3
+    # Torque has no whole-node request that Slurm's #PBS reader takes: the cores must be given.
+    with pytest.raises(ValueError, match="--cpus-per-node: a CPU-only Torque job needs it"):
+        spec("torque", gpus_per_node=0)
 
 
 @pytest.mark.parametrize("scheduler, option, words", [
@@ -239,13 +283,40 @@ def test_train_options_reach_the_bootstrap_word_for_word(job_sandbox):
     assert r.returncode != 0 and "set GLUE_DIR" in r.stderr and rec == {}
 
 
-def test_default_run_directory_is_named_after_the_job(job_sandbox):
+def test_default_run_directory_is_named_after_the_job_so_a_resubmitted_job_continues_it(job_sandbox):
+    """Without --out every job of the same name trains in runs/NAME (not a new directory per job id),
+    so training's default `--resume auto` under a scheduler finds the previous job's checkpoint."""
     tmp_path, env = job_sandbox
-    env.update(SLURM_SUBMIT_DIR=str(tmp_path), SLURM_JOB_ID="4242")
-    r, rec = run_script(render(spec("slurm", job_name="mrpc"), "cmd"), tmp_path, env)
-    assert r.returncode == 0, r.stderr
-    assert rec["argv"][-2:] == ["--out", str(tmp_path / "runs" / "mrpc-4242")]
-    assert rec["env"]["HPCBERT_STOP_FILE"] == str(tmp_path / "runs" / "mrpc-4242" / "STOP")
+    text = render(spec("slurm", job_name="mrpc"), "cmd")
+    assert "# Run directory: runs/mrpc (named after the job, not the job id).\n" in text
+    run_dir = tmp_path / "runs" / "mrpc"
+    for job_id in ("4242", "4243"):
+        r, rec = run_script(text, tmp_path, dict(env, SLURM_SUBMIT_DIR=str(tmp_path), SLURM_JOB_ID=job_id))
+        assert r.returncode == 0, r.stderr
+        assert rec["argv"][-2:] == ["--out", str(run_dir)]
+        assert rec["env"]["HPCBERT_STOP_FILE"] == str(run_dir / "STOP")
+    assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == ["mrpc"]
+    given = render(spec("slurm", job_name="mrpc", train_args=[*TRAIN, "--out", "elsewhere"]), "cmd")
+    assert "# Run directory: elsewhere (--out).\n" in given
+
+
+def test_a_second_job_in_a_run_directory_in_use_is_refused(job_sandbox):
+    """Jobs of one name share a run directory: while one holds it, another stops before starting."""
+    import fcntl
+    tmp_path, env = job_sandbox
+    text = render(spec("slurm", job_name="mrpc"), "cmd")
+    run_dir = tmp_path / "runs" / "mrpc"
+    run_dir.mkdir(parents=True)
+    with open(run_dir / "job.lock", "w") as held:
+        held.write("4242\n")
+        held.flush()
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)  # job 4242 is running
+        r, rec = run_script(text, tmp_path, dict(env, SLURM_SUBMIT_DIR=str(tmp_path), SLURM_JOB_ID="4243"))
+    assert r.returncode == 2 and rec == {}, r.stderr
+    assert f"{run_dir} is in use by job 4242" in r.stderr and "--job-name" in r.stderr
+    r, rec = run_script(text, tmp_path, dict(env, SLURM_SUBMIT_DIR=str(tmp_path), SLURM_JOB_ID="4244"))
+    assert r.returncode == 0 and rec["argv"][-2:] == ["--out", str(run_dir)], r.stderr  # released: it runs
+    assert (run_dir / "job.lock").read_text() == "4244\n"
 
 
 def test_pbs_script_uses_mpiexec_under_pbs_and_srun_under_slurms_qsub(job_sandbox):
@@ -255,7 +326,7 @@ def test_pbs_script_uses_mpiexec_under_pbs_and_srun_under_slurms_qsub(job_sandbo
     r, rec = run_script(text, tmp_path, pbs_env)
     assert r.returncode == 0, r.stderr
     assert (tmp_path / "record.json.launcher").read_text() == f"mpiexec -n 2 --ppn 1 {env['HPCBERT_BOOTSTRAP']} " \
-        f"--nproc-per-node 4 -- {' '.join(TRAIN)} --out {tmp_path}/runs/hpcbert-77.server\n"
+        f"--nproc-per-node 4 -- {' '.join(TRAIN)} --out {tmp_path}/runs/hpcbert\n"
     assert rec["env"]["OMP_NUM_THREADS"] == "2"  # PBS's 64 (= ncpus) replaced: 8 cores / 4 workers
     (tmp_path / "record.json.launcher").unlink()
     r, rec = run_script(text, tmp_path, dict(env, SLURM_JOB_ID="5", SLURM_SUBMIT_DIR=str(tmp_path)))
@@ -271,7 +342,7 @@ def test_pbsdsh_gets_the_directory_and_environment_back(job_sandbox):
     r, rec = run_script(text, tmp_path, dict(env, PBS_JOBID="8", PBS_O_WORKDIR=str(tmp_path)))
     assert r.returncode == 0, r.stderr
     assert rec["cwd"] == str(tmp_path) and rec["env"]["OMP_NUM_THREADS"] == "2"
-    assert rec["env"]["HPCBERT_STOP_FILE"] == str(tmp_path / "runs" / "hpcbert-8" / "STOP")
+    assert rec["env"]["HPCBERT_STOP_FILE"] == str(tmp_path / "runs" / "hpcbert" / "STOP")
     assert (tmp_path / "record.json.launcher").read_text().startswith("pbsdsh -- /bin/bash -c")
 
 
@@ -310,7 +381,7 @@ exit 3
     os.kill(proc.pid, sig)
     _, err = proc.communicate(timeout=30)
     assert proc.returncode == 0, err
-    assert (tmp_path / "runs" / "hpcbert-local" / "STOP").exists()
+    assert (tmp_path / "runs" / "hpcbert" / "STOP").exists()
     assert Path(env["HPCBERT_TEST_LOG"] + ".done").exists()  # the job waited for training to end
     assert f"{sig.name.removeprefix('SIG')} at" in err and "launcher exited with status 0" in err
 
@@ -352,10 +423,11 @@ def test_exec_sh_runs_the_command_in_apptainer_with_gpu_binds_and_the_rendezvous
     assert r.stdout == "ran a b \n"
     assert (tmp_path / "args").read_text().splitlines() == [
         "exec", "--nv", "--cleanenv", "--bind", "/scratch:/scratch", "--bind", "/data:/data:ro",
-        "--env", "PYTHONNOUSERSITE=1", "img.sif", "sh", "-c", 'echo "ran $0 $1"', "a b"]
+        "--env", "PYTHONNOUSERSITE=1", "--bind", str(ROOT), "img.sif", "sh", "-c", 'echo "ran $0 $1"', "a b"]
     passed = (tmp_path / "args.env").read_text().splitlines()
     for line in ("APPTAINERENV_CUDA_VISIBLE_DEVICES=0,1,2,3", "APPTAINERENV_MASTER_ADDR=node01",
-                 "APPTAINERENV_NODE_RANK=1", "APPTAINERENV_SLURM_JOB_ID=99", "APPTAINERENV_MY_VAR=x,y"):
+                 "APPTAINERENV_NODE_RANK=1", "APPTAINERENV_SLURM_JOB_ID=99", "APPTAINERENV_MY_VAR=x,y",
+                 f"APPTAINERENV_PYTHONPATH={ROOT / 'BERT'}"):
         assert line in passed
     assert not [p for p in passed if "UNRELATED" in p]
     assert "singularity-used" not in r.stderr  # apptainer first
@@ -368,10 +440,47 @@ def test_exec_sh_falls_back_to_singularity_and_drops_nv_without_a_gpu(container_
     r = wrap(env, "--", "true")
     assert r.returncode == 0, r.stderr
     args = (tmp_path / "args").read_text().splitlines()
-    assert args == ["exec", "--cleanenv", "--env", "PYTHONNOUSERSITE=1", "from-env.sif", "true"]
+    assert args == ["exec", "--cleanenv", "--env", "PYTHONNOUSERSITE=1", "--bind", str(ROOT), "from-env.sif", "true"]
     assert "SINGULARITYENV_OMP_NUM_THREADS=3" in (tmp_path / "args.env").read_text()
     r = wrap(dict(env, HPCBERT_NV="1"), "--no-cleanenv", "--", "true")
     assert (tmp_path / "args").read_text().splitlines()[:3] == ["exec", "--nv", "--env"]
+
+
+# A stand-in runtime that does what matters here as apptainer does: --cleanenv drops the host's
+# environment, APPTAINERENV_NAME becomes NAME inside, and the image's own packages (IMAGE_SITE, which
+# holds an hpcbert of its own, as the image built from hpcbert.def does) come after PYTHONPATH.
+CLEANENV_RUNTIME = """#!/usr/bin/env bash
+[ "$1" = exec ] && shift
+inside=()
+while [ $# -gt 0 ]; do
+  case $1 in --cleanenv) inside=(env -i HOME="$HOME" PATH=/usr/bin:/bin); shift ;; --env) inside+=("$2"); shift 2 ;;
+             --bind|-B) shift 2 ;; -*) shift ;; *) shift; break ;; esac
+done
+[ ${{#inside[@]}} -gt 0 ] || inside=(env)
+for v in $(compgen -e); do case $v in APPTAINERENV_*) inside+=("${{v#APPTAINERENV_}}=${{!v}}") ;; esac; done
+pp=$(for w in "${{inside[@]}}"; do case $w in PYTHONPATH=*) printf %s "${{w#PYTHONPATH=}}:" ;; esac; done)
+exec "${{inside[@]}}" PYTHONPATH="$pp{image_site}" "$@"
+"""
+
+
+def test_the_container_runs_this_checkouts_hpcbert_not_the_images(container_sandbox):
+    """The launcher on the host is this checkout's (bootstrap.sh); the training inside the image must
+    be the same code, not the hpcbert installed in the image when it was built."""
+    tmp_path, bin_dir, env = container_sandbox
+    image_site = tmp_path / "image-site-packages"
+    (image_site / "hpcbert").mkdir(parents=True)
+    (image_site / "hpcbert" / "__init__.py").write_text("")  # the image's own (older) hpcbert
+    stub(bin_dir / "apptainer", CLEANENV_RUNTIME.format(image_site=image_site))
+    which = "import hpcbert, os; print(os.path.realpath(hpcbert.__file__))"
+    env.update(PYTHONPATH=str(tmp_path / "host-only"))  # the host's PYTHONPATH stays out
+    r = wrap(env, "--image", "img.sif", "--", sys.executable, "-c", which)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == str(ROOT / "BERT" / "hpcbert" / "__init__.py")
+    # ... because the checkout is bound into the container at its own path.
+    stub(bin_dir / "apptainer", FAKE_RUNTIME)
+    assert wrap(env, "--image", "img.sif", "--", "true").returncode == 0
+    args = (tmp_path / "args").read_text().splitlines()
+    assert args[:args.index("img.sif")][-2:] == ["--bind", str(ROOT)]
 
 
 @pytest.mark.parametrize("args, words", [
@@ -386,14 +495,118 @@ def test_exec_sh_errors_say_what_to_do(container_sandbox, args, words):
     assert r.returncode == 2 and all(w in r.stderr for w in words), r.stderr
 
 
-def test_definition_file_builds_on_ngc_pytorch_and_keeps_its_torch():
-    text = (ROOT / "singularity" / "hpcbert.def").read_text()
-    assert re.search(r"^Bootstrap: docker$", text, re.M)
-    assert re.search(r"^From: nvcr\.io/nvidia/pytorch:(\S+|{{ NGC_TAG }})-py3$", text, re.M)
-    assert re.search(r"pip install [^\n]*--no-deps /opt/hpcbert", text)
-    installs = re.findall(r"pip install ((?:[^\n]*\\\n)*[^\n]*)", text)
-    assert installs and not [i for i in installs if re.search(r"\btorch\b", i)], "the image's torch must stay"
-    assert "image-pins.txt" in text and "PYTHONNOUSERSITE=1" in text
+# --- the container definition, its sections run with stand-ins ------------------------------------
+
+DEF_FILE = ROOT / "singularity" / "hpcbert.def"
+DEF_SECTIONS = {"arguments", "setup", "files", "post", "environment", "runscript", "startscript", "test", "labels",
+                "help"}
+# What `python -m pip list --format=freeze` says in the NGC image: a pre-release torch of NVIDIA's
+# build, which no index has, and a torchvision that must not be mistaken for torch.
+IMAGE_FREEZE = "numpy==1.24.4\ntorch==2.4.0a0+07cecf4\ntorchvision==0.19.0a0+d23a6e1\nPyYAML==6.0.1\n"
+# Stand-in `python` for %post: records each call (argv, JSON, one line) and answers `pip list`.
+FAKE_IMAGE_PYTHON = """#!{python}
+import json, os, sys
+with open(os.environ["HPCBERT_TEST_LOG"], "a") as f:
+    f.write(json.dumps(sys.argv[1:]) + "\\n")
+if sys.argv[1:4] == ["-m", "pip", "list"]:
+    sys.stdout.write({freeze!r})
+"""
+
+
+def definition(text: str) -> tuple[dict, dict]:
+    """An Apptainer definition file: header keywords, and each %section's body (dedented), with the
+    {{ NAME }} build arguments replaced by their %arguments defaults, as `apptainer build` does."""
+    header: dict[str, str] = {}
+    sections: dict[str, list[str]] = {}
+    name = None
+    for n, line in enumerate(text.splitlines(), 1):
+        m = re.fullmatch(r"%(\w+)\s*", line)
+        if m:
+            name = m.group(1)
+            assert name in DEF_SECTIONS and name not in sections, f"{DEF_FILE.name}:{n}: section %{name}"
+            sections[name] = []
+        elif name:
+            sections[name].append(line)
+        elif line.strip() and not line.startswith("#"):
+            key, sep, value = line.partition(":")
+            assert sep, f"{DEF_FILE.name}:{n}: header line without 'Keyword: value': {line!r}"
+            header[key.strip()] = value.strip()
+    body = {k: textwrap.dedent("\n".join(v)).strip("\n") + "\n" for k, v in sections.items()}
+    args = dict(line.split("=", 1) for line in body.get("arguments", "").split())
+    def fill(t):
+        return re.sub(r"{{\s*(\w+)\s*}}", lambda m: args[m.group(1)], t)  # KeyError: used but not defined
+    return {k: fill(v) for k, v in header.items()}, {k: fill(v) for k, v in body.items()}
+
+
+def test_definition_file_sections_keep_the_images_torch_and_install_this_checkout(tmp_path):
+    """Apptainer is not installable here, so the build is replayed: %files are copied into a stand-in
+    root, %post runs under /bin/sh -e with a stand-in `python` that answers `pip list` as the NGC
+    image would and records every pip call; %environment, %runscript and %test run with this
+    machine's interpreter in the image's place."""
+    header, sec = definition(DEF_FILE.read_text())
+    assert header["Bootstrap"] == "docker"
+    assert re.fullmatch(r"nvcr\.io/nvidia/pytorch:\d\d\.\d\d-py3", header["From"]), header["From"]
+    # %files, from the repository root (where the header says to build), into a stand-in root.
+    rootfs = tmp_path / "rootfs"
+    dests = []
+    for line in sec["files"].splitlines():
+        src, dest = line.split()
+        assert (ROOT / src).exists(), f"%files: {src} is not in the repository"
+        target = rootfs / dest.lstrip("/")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.symlink_to(ROOT / src)
+        dests.append(dest)
+    inside = lambda t: re.sub(r"(?<![\w/])/opt/", f"{rootfs}/opt/", t)  # the image's /opt is rootfs/opt
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    stub(bin_dir / "python", FAKE_IMAGE_PYTHON.format(python=sys.executable, freeze=IMAGE_FREEZE))
+    log = tmp_path / "calls.jsonl"
+    r = subprocess.run(["/bin/sh", "-e", "-c", inside(sec["post"])], cwd=tmp_path, capture_output=True, text=True,
+                       env={"PATH": f"{bin_dir}:/usr/bin:/bin", "HOME": str(tmp_path), "HPCBERT_TEST_LOG": str(log)})
+    assert r.returncode == 0, r.stderr
+    calls = [json.loads(line) for line in log.read_text().splitlines()]
+    installs = [c[3:] for c in calls if c[:3] == ["-m", "pip", "install"]]
+    assert installs and all(c[:3] in (["-m", "pip", "install"], ["-m", "pip", "list"]) for c in calls), calls
+    # The image's torch and numpy, and only they, are pinned; every install keeps them.
+    pins_files = {a[a.index("-c") + 1] for a in installs if "-c" in a}
+    assert len(pins_files) == 1, installs
+    pins = Path(pins_files.pop())
+    assert pins.read_text().split() == ["numpy==1.24.4", "torch==2.4.0a0+07cecf4"]
+    from packaging.requirements import Requirement
+    installed = set()
+    for a in installs:
+        words = [w for i, w in enumerate(a) if not w.startswith("-") and a[i - 1] != "-c"]
+        assert "--no-deps" in a or "-c" in a, f"%post: pip install {' '.join(a)} may replace the image's torch"
+        for w in words:
+            if Path(w).is_absolute():  # a directory: hpcbert itself, with --no-deps
+                assert "--no-deps" in a and (Path(w) / "pyproject.toml").resolve() == ROOT / "pyproject.toml", a
+                installed.add("hpcbert")
+                continue
+            req = Requirement(w)
+            assert req.name.lower() not in ("torch", "numpy"), f"%post installs {w}: the image's must stay"
+            installed.add(req.name.lower())
+    # This checkout, and every dependency it declares except the image's torch and numpy.
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    needed = {Requirement(d).name.lower() for d in project["dependencies"]} - {"torch", "numpy"}
+    assert {"hpcbert", *needed} <= installed, f"%post does not install {sorted({'hpcbert', *needed} - installed)}"
+    # The image's interpreter (here this machine's, hpcbert on its path as installed) runs the rest.
+    py_dir = tmp_path / "image-bin"
+    py_dir.mkdir()
+    stub(py_dir / "python", f'#!/bin/sh\nexec {shlex.quote(sys.executable)} "$@"\n')
+    image_env = {"PATH": f"{py_dir}:/usr/bin:/bin", "HOME": str(tmp_path), "PYTHONPATH": str(ROOT / "BERT"),
+                 "OMP_NUM_THREADS": "1"}
+    r = subprocess.run(["/bin/sh", "-c", sec["environment"] + 'echo "$PYTHONNOUSERSITE"'], env=image_env,
+                       capture_output=True, text=True)
+    assert r.stdout == "1\n", r.stderr
+    r = subprocess.run(["/bin/sh", "-e", "-c", sec["test"]], env=image_env, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0 and r.stdout.startswith("torch "), r.stderr  # and `hpcbert.cli train --help` ran
+    # `apptainer run IMG train ...` is `python -m hpcbert.cli train ...` (the recording python: one
+    # torch import fewer; %test just ran that module).
+    log.unlink()
+    r = subprocess.run(["/bin/sh", "-c", sec["runscript"], "hpcbert.sif", "train", "--out", "a b"],
+                       env=dict(image_env, PATH=f"{bin_dir}:/usr/bin:/bin", HPCBERT_TEST_LOG=str(log)))
+    assert r.returncode == 0 and json.loads(log.read_text()) == ["-m", "hpcbert.cli", "train", "--out", "a b"]
 
 
 # --- thin scripts and the CLI ---------------------------------------------------------------------

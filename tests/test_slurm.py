@@ -7,6 +7,7 @@ job checks the walltime contract: Slurm's USR1 reaches the batch shell and becom
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import time
@@ -98,13 +99,17 @@ def test_qsub_runs_a_generated_torque_script(slurm_cluster, job_env, tmp_path): 
 
 def test_sbatch_runs_torchrun_inside_the_container_wrapper(slurm_cluster, job_env, tmp_path):  # noqa: F811
     """job script -> srun -> bootstrap -> singularity/exec.sh -> `apptainer exec` -> torchrun, with a
-    stand-in `apptainer` that records its arguments and runs the command after the image."""
+    stand-in `apptainer` that records its arguments and runs the command after the image as
+    --cleanenv does: with only the variables passed in (APPTAINERENV_NAME -> NAME), so training runs
+    with the checkout's hpcbert and no host PYTHONPATH."""
     fake_bin = tmp_path / "bin"
     fake_bin.mkdir()
     (fake_bin / "apptainer").write_text(
         '#!/usr/bin/env bash\nprintf "%s\\n" "$@" > "$HPCBERT_TEST_APPTAINER_LOG"\n'
+        'inside=(env -i HOME="$HOME" PATH=/usr/bin:/bin)\n'
+        'for v in $(compgen -e); do case $v in APPTAINERENV_*) inside+=("${v#APPTAINERENV_}=${!v}") ;; esac; done\n'
         'shift\nwhile [ $# -gt 0 ]; do case $1 in --bind|--env) shift 2 ;; -*) shift ;; *) shift; break ;; esac; done\n'
-        'exec "$@"\n')
+        'exec "${inside[@]}" "$@"\n')
     (fake_bin / "apptainer").chmod(0o755)
     bootstrap = tmp_path / "bootstrap.sh"
     bootstrap.write_text(WRAPPING_BOOTSTRAP)
@@ -119,19 +124,25 @@ def test_sbatch_runs_torchrun_inside_the_container_wrapper(slurm_cluster, job_en
                      "--out-script", "job.sbatch", "--", *TRAIN, "--out", run_dir], env, tmp_path)
     assert_two_process_run(slurm_cluster, job_id, run_dir, tmp_path)
     args = (tmp_path / "apptainer.args").read_text().split("\n")
-    assert args[:6] == ["exec", "--cleanenv", "--bind", f"{tmp_path}:/data", "--env", "PYTHONNOUSERSITE=1"]
-    assert args[6:10] == ["hpcbert.sif", sys.executable, "-m", "torch.distributed.run"]
+    assert args[:8] == ["exec", "--cleanenv", "--bind", f"{tmp_path}:/data", "--env", "PYTHONNOUSERSITE=1",
+                        "--bind", str(ROOT)]  # the checkout, at its own path: its hpcbert runs inside
+    assert args[8:12] == ["hpcbert.sif", sys.executable, "-m", "torch.distributed.run"]
 
 
 def test_pbs_pro_script_is_accepted_by_sbatch(slurm_cluster, job_env, tmp_path):  # noqa: F811
-    """Slurm's sbatch reads #PBS lines: select=...:mpiprocs=1 with place=scatter on its own line parses."""
-    script = tmp_path / "job.pbs"
-    r = subprocess.run([sys.executable, "-m", "hpcbert.cli", "submit", "--scheduler", "pbs", *CPU_JOB, "--queue",
-                        "debug", "--dry-run", "--out-script", script, "--", *TRAIN], env=job_env,
-                       capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr
-    t = slurm_cluster.run("sbatch", "--test-only", script, cwd=tmp_path)
-    assert t.returncode == 0 and "to start at" in t.stderr, t.stderr
+    """Slurm's sbatch reads #PBS lines: select=...:mpiprocs=1 with place=scatter (or, for a whole
+    CPU node, scatter:excl) on its own line parses."""
+    i = CPU_JOB.index("--cpus-per-node")
+    whole_node = CPU_JOB[:i] + CPU_JOB[i + 2:]
+    for n, job in enumerate((CPU_JOB, whole_node)):
+        script = tmp_path / f"job{n}.pbs"
+        r = subprocess.run([sys.executable, "-m", "hpcbert.cli", "submit", "--scheduler", "pbs", *job, "--queue",
+                            "debug", "--dry-run", "--out-script", script, "--", *TRAIN], env=job_env,
+                           capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr
+        assert ("place=scatter:excl" in script.read_text()) == (job is whole_node)
+        t = slurm_cluster.run("sbatch", "--test-only", script, cwd=tmp_path)
+        assert t.returncode == 0 and "to start at" in t.stderr, t.stderr
 
 
 def test_usr1_before_the_walltime_becomes_the_stop_file(slurm_cluster, job_env, tmp_path):  # noqa: F811
@@ -161,6 +172,50 @@ exit 3
     assert (tmp_path / "stopped").exists() and (tmp_path / "run" / "STOP").exists()
     assert "USR1" in (tmp_path / f"hpcbert-{job_id}.out").read_text()
     assert "#SBATCH --signal=B:USR1@90\n" in (tmp_path / "job.sbatch").read_text()
+
+
+def test_the_same_script_submitted_again_without_out_continues_the_run(slurm_cluster, job_env, tmp_path):  # noqa: F811
+    """No --out: the run directory is runs/JOB_NAME, not one per job id. The first job stops at its
+    deadline with a checkpoint; `sbatch` of the same script again resumes from that checkpoint, in
+    the same directory (and is stopped, to keep the test short, with the stop file once it has
+    trained a few steps). The job is CPU-only without --cpus-per-node: it gets the whole node
+    (--exclusive), and its one worker every core of it."""
+    train = ["--model", "bert-tiny", "--task", "synthetic", "--max-steps", "100000", "--batch-size", "32",
+             "--log-every", "5", "--checkpoint-steps", "1000", "--no-do-eval"]
+    # Deadline 40 s after the job starts: start-up took 20 s on this 2-core machine under load.
+    first = submit(["--scheduler", "slurm", "--nodes", "1", "--gpus-per-node", "0", "--walltime", "00:01:00",
+                    "--stop-margin", "20", "--job-name", "resume-me", "--out-script", "job.sbatch", "--", *train],
+                   job_env, tmp_path)
+    info = slurm_cluster.wait(first, timeout=120)
+    assert (info["JobState"], info["ExitCode"]) == ("COMPLETED", "0:0"), job_output(tmp_path)
+    run_dir = tmp_path / "runs" / "resume-me"
+    s = read_summary(run_dir)
+    assert s["stopped_by"] == "job_deadline" and s["steps"] > 0 and s["resumed_from_step"] is None
+    assert CheckpointManager(run_dir / "checkpoints").latest().step == s["steps"]
+    node = dict(re.findall(r"(\w+)=(\S*)", slurm_cluster.run("scontrol", "show", "node", "-o").stdout))
+    assert info["NumCPUs"] == node["CPUTot"], (info["NumCPUs"], node["CPUTot"])  # the whole node
+    log = (tmp_path / f"resume-me-{first}.out").read_text()
+    assert f"1 node(s) x 1 process(es) x {node['CPUTot']} thread(s)" in log and f"run directory {run_dir}" in log
+
+    r = slurm_cluster.run("sbatch", "--parsable", "job.sbatch", cwd=tmp_path, env=job_env)  # the same script
+    assert r.returncode == 0, r.stderr
+    second = r.stdout.strip().split(";")[0]
+    for _ in range(600):  # until the second job logs a step past the first one's last
+        if slurm_cluster.job(second).get("JobState") not in ("PENDING", "RUNNING"):
+            break
+        try:
+            if read_metrics(run_dir)[-1]["step"] > s["steps"]:
+                (run_dir / "STOP").touch()
+                break
+        except (ValueError, IndexError):  # a line being written; nothing yet
+            pass
+        time.sleep(0.2)
+    info = slurm_cluster.wait(second, timeout=120)
+    assert (info["JobState"], info["ExitCode"]) == ("COMPLETED", "0:0"), job_output(tmp_path)
+    resumed = read_summary(run_dir)
+    assert resumed["resumed_from_step"] == s["steps"] and resumed["steps"] > s["steps"], resumed
+    assert f"run directory {run_dir}" in (tmp_path / f"resume-me-{second}.out").read_text()
+    assert [p.name for p in (tmp_path / "runs").iterdir()] == ["resume-me"]
 
 
 def test_walltime_stop_then_resubmit_finishes_equal_to_an_uninterrupted_run(slurm_cluster, job_env, tmp_path):  # noqa: F811

@@ -16,6 +16,14 @@ The script cds to the submit directory, sets OMP_NUM_THREADS per worker, exports
 the training loop (HPCBERT_JOB_DEADLINE, HPCBERT_STOP_FILE) and starts one
 `multinode_communication/bootstrap.sh` per node (which derives nodes, head and job id and starts
 torchrun), through srun, mpiexec, pbsdsh or ssh.
+
+The run directory is `--out`, or `runs/JOB_NAME`: named after the job, never the job id, so that
+submitting the same script again continues the run from its newest checkpoint (training resumes
+by default under a scheduler). One job at a time holds a run directory (a lock in it).
+
+A CPU-only job (--gpus-per-node 0) without --cpus-per-node gets whole nodes (Slurm --exclusive,
+PBS Pro place=excl), and the threads per worker are the node's cores, read when the job starts,
+divided by the workers.
 """
 
 from __future__ import annotations
@@ -82,7 +90,7 @@ class JobSpec:
     gpus_per_node: int
     walltime: str
     procs_per_node: int | None = None   # default: GPUs per node, 1 without GPUs
-    cpus_per_node: int | None = None    # default: one per process
+    cpus_per_node: int | None = None    # default: one per process with GPUs; CPU-only: None = whole node
     project: str | None = None
     queue: str | None = None
     account: str | None = None
@@ -95,6 +103,11 @@ class JobSpec:
 
     def __post_init__(self) -> None:
         validate(self)
+
+    @property
+    def whole_node(self) -> bool:
+        """A CPU-only job without --cpus-per-node: every core of each node, counted at run time."""
+        return self.cpus_per_node is None
 
     @property
     def walltime_s(self) -> int:
@@ -126,7 +139,13 @@ def validate(spec: JobSpec) -> None:
         raise ValueError(f"--procs-per-node: {spec.procs_per_node} with --gpus-per-node {spec.gpus_per_node}: "
                          f"training runs one process per GPU; --procs-per-node is for CPU-only jobs")
     if spec.cpus_per_node is None:
-        spec.cpus_per_node = spec.procs_per_node
+        if spec.gpus_per_node:
+            spec.cpus_per_node = spec.procs_per_node
+        elif spec.scheduler == "torque":
+            raise ValueError("--cpus-per-node: a CPU-only Torque job needs it (e.g. the node's core count): "
+                             "Torque gives a job the ppn cores it asks for and has no whole-node request "
+                             "that Slurm's #PBS reader accepts, so it would run one thread per process")
+        # else None: whole nodes (Slurm --exclusive, PBS Pro place=excl), cores read at run time
     elif spec.cpus_per_node < spec.procs_per_node:
         raise ValueError(f"--cpus-per-node: {spec.cpus_per_node} is fewer than the {spec.procs_per_node} "
                          f"processes per node; each needs at least one core")
@@ -219,7 +238,9 @@ def directives(spec: JobSpec) -> list[str]:
         d = [f"--job-name={spec.job_name}", f"--nodes={spec.nodes}", "--ntasks-per-node=1"]
         if spec.gpus_per_node:
             d.append(f"--gpus-per-node={spec.gpus_per_node}")
-        d += [f"--cpus-per-task={spec.cpus_per_node}", f"--time={spec.walltime}"]
+        # A whole node: every core goes to the one task (the bootstrap) per node.
+        d.append("--exclusive" if spec.whole_node else f"--cpus-per-task={spec.cpus_per_node}")
+        d.append(f"--time={spec.walltime}")
         # USR1 to the batch shell only (B:), stop_margin s before the end. Slurm may send it up to
         # 60 s earlier than asked, so on a walltime that leaves less than that early window plus a
         # minute of work it would stop every (re)submission at once: the job's own deadline
@@ -236,8 +257,12 @@ def directives(spec: JobSpec) -> list[str]:
     if spec.scheduler == "pbs":
         # One chunk per node with mpiprocs=1: PBS_NODEFILE lists each node once, so pbsdsh starts one
         # task per node. place=scatter gets its own line: on the select line Slurm's sbatch rejects it.
+        # A whole node: the chunk asks for one core per process and place=excl keeps the node to
+        # this job; the threads come from the cores the job can use (nproc) when it starts.
         gpus = f":ngpus={spec.gpus_per_node}" if spec.gpus_per_node else ""
-        d += [f"-l select={spec.nodes}:ncpus={spec.cpus_per_node}{gpus}:mpiprocs=1", "-l place=scatter"]
+        ncpus = spec.procs_per_node if spec.whole_node else spec.cpus_per_node
+        d += [f"-l select={spec.nodes}:ncpus={ncpus}{gpus}:mpiprocs=1",
+              "-l place=scatter:excl" if spec.whole_node else "-l place=scatter"]
     else:
         gpus = f":gpus={spec.gpus_per_node}" if spec.gpus_per_node else ""
         d.append(f"-l nodes={spec.nodes}:ppn={spec.cpus_per_node}{gpus}")
@@ -306,19 +331,25 @@ def render(spec: JobSpec, command: str, *, workdir: str | None = None, python: s
         container = "\n".join(lines)
     else:
         container = "# (no container: torchrun runs on the host)"
+    run_dir = sh_word(run_cfg.out) if gave_out else f'"runs/{spec.job_name}"'
     values = dict(
-        summary=f"{spec.nodes} node(s) x {spec.procs_per_node} process(es), walltime {spec.walltime}",
+        summary=f"{spec.nodes} node(s) x {spec.procs_per_node} process(es), "
+                f"{'all' if spec.whole_node else spec.cpus_per_node} core(s) per node, walltime {spec.walltime}",
         command=command, flavour_name=FLAVOUR_NAMES[spec.scheduler],
         directives="\n".join(directives(spec)), launcher=spec.launcher,
-        nodes=spec.nodes, procs=spec.procs_per_node, cpus_per_node=spec.cpus_per_node,
-        threads=max(1, spec.cpus_per_node // spec.procs_per_node),
+        nodes=spec.nodes, procs=spec.procs_per_node,
+        cores='${SLURM_CPUS_ON_NODE:-$(nproc)}' if spec.whole_node else spec.cpus_per_node,
+        cores_note="the whole node's, when the job starts (nproc: the cores it may use)" if spec.whole_node
+        else "--cpus-per-node",
         walltime=spec.walltime, walltime_s=spec.walltime_s, stop_margin_s=spec.stop_margin,
         workdir=_dq(workdir) if workdir else "$PWD",
         kit=_dq(kit) if kit else "$PWD",
         python=_dq(python) if python else "python3",
         container=container,
         train_args=_train_lines(spec.train_args),
-        run_dir=sh_word(run_cfg.out) if gave_out else f'"runs/{spec.job_name}-$JOB_ID"',
+        run_dir=run_dir,
+        run_dir_note=(str(run_cfg.out).replace("\n", "\\n") + " (--out)" if gave_out else
+                      f"runs/{spec.job_name} (named after the job, not the job id)"),
         out_arg="" if gave_out else ' --out "$RUN_DIR"',
         pbsdsh_opts="-u " if spec.scheduler == "torque" else "",  # Torque: once per distinct node
     )
@@ -346,8 +377,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--gpus-per-node", type=int, help="GPUs per node; one training process per GPU")
     p.add_argument("--procs-per-node", type=int, help="training processes per node of a CPU-only job "
                    "(--gpus-per-node 0); default: one per GPU, or 1")
-    p.add_argument("--cpus-per-node", type=int, help="cores per node (default: one per process); "
-                   "OMP_NUM_THREADS = cores / processes")
+    p.add_argument("--cpus-per-node", type=int, help="cores per node (default: one per process with GPUs; "
+                   "CPU-only: whole nodes, Slurm --exclusive or PBS place=excl, cores counted when the job "
+                   "starts; Torque: required); OMP_NUM_THREADS = cores / processes")
     p.add_argument("--walltime", help="HH:MM:SS")
     p.add_argument("--stop-margin", type=int, help="seconds before the walltime by which training stops "
                    "and checkpoints (default: a tenth of the walltime, 60 s to 10 min)")
@@ -361,7 +393,9 @@ def parser() -> argparse.ArgumentParser:
                    "image (singularity/exec.sh); '${HPCBERT_IMAGE:-hpcbert.sif}' is expanded by the job")
     p.add_argument("--bind", action="append", default=[], metavar="SRC[:DST[:ro]]",
                    help="container bind mount (repeatable)")
-    p.add_argument("--job-name", help="job name (default: hpcbert, or bert-PRESET)")
+    p.add_argument("--job-name", help="job name (default: hpcbert, or bert-PRESET); also the run directory "
+                   "runs/JOB_NAME unless the train options give --out: a job submitted again under the same "
+                   "name continues that run")
     p.add_argument("--portable", action="store_true",
                    help="no paths of this machine in the script: the submit directory falls back to $PWD, "
                         "the interpreter is python3, the hpcbert checkout is the submit directory")

@@ -3,9 +3,10 @@
 # The hpcbert checkout (bootstrap, container wrapper) and the interpreter that runs torchrun + hpcbert.
 export HPCBERT_KIT="${HPCBERT_KIT:-@@kit}"
 export HPCBERT_PYTHON="${HPCBERT_PYTHON:-@@python}"
-# Threads per worker, set explicitly: PBS exports OMP_NUM_THREADS = every core of the chunk, and
-# @@procs worker(s) x every core would oversubscribe the node.
-export OMP_NUM_THREADS=@@threads
+# Threads per worker = cores per node / @@procs worker(s), set explicitly: PBS exports OMP_NUM_THREADS =
+# every core of the chunk, and @@procs worker(s) x every core would oversubscribe the node.
+CORES=@@cores  # @@cores_note
+export OMP_NUM_THREADS=$(( CORES > @@procs ? CORES / @@procs : 1 ))
 @@container
 # --- the walltime: training stops itself, with a checkpoint, before the scheduler kills it ---
 # deadline (epoch seconds) = job start + walltime @@walltime (@@walltime_s s) - margin @@stop_margin_s s
@@ -19,6 +20,24 @@ RUN_DIR=@@run_dir
 case $RUN_DIR in /*) ;; *) RUN_DIR=$PWD/$RUN_DIR ;; esac
 export HPCBERT_STOP_FILE=$RUN_DIR/STOP  # touched on a stop request; training polls it between steps
 mkdir -p "$RUN_DIR"
+# One job at a time in a run directory (a second job of the same name would write the same
+# checkpoints): a lock held until this job and what it starts end. A file system without locks
+# (Lustre mounted without -o flock) cannot check this, and says so.
+if command -v flock >/dev/null 2>&1; then
+  exec 9>>"$RUN_DIR/job.lock"
+  lock_status=0
+  flock -n -E 75 9 || lock_status=$?
+  if [ "$lock_status" = 75 ]; then
+    echo "hpcbert job: $RUN_DIR is in use by job $(cat "$RUN_DIR/job.lock" 2>/dev/null || echo '?'); wait for it," \
+         "or give this job another --job-name or --out" >&2
+    exit 2
+  elif [ "$lock_status" != 0 ]; then
+    echo "hpcbert job: warning: cannot lock $RUN_DIR/job.lock (status $lock_status): no check that this job" \
+         "is the only one in $RUN_DIR" >&2
+  else
+    echo "$JOB_ID" > "$RUN_DIR/job.lock"
+  fi
+fi
 rm -f "$HPCBERT_STOP_FILE"              # left by an earlier job of this run: no request to this one
 BOOTSTRAP=${HPCBERT_BOOTSTRAP:-$HPCBERT_KIT/multinode_communication/bootstrap.sh}
 if [ ! -x "$BOOTSTRAP" ]; then
@@ -36,7 +55,7 @@ stop_request() {
 trap 'stop_request USR1' USR1
 trap 'stop_request TERM' TERM
 
-echo "[hpcbert job] job $JOB_ID: @@nodes node(s) x @@procs process(es), deadline" \
+echo "[hpcbert job] job $JOB_ID: @@nodes node(s) x @@procs process(es) x $OMP_NUM_THREADS thread(s), deadline" \
      "$(date -u -d "@$HPCBERT_JOB_DEADLINE" +%FT%TZ), run directory $RUN_DIR" >&2
 launch_cmd
 "${LAUNCH[@]}" "$BOOTSTRAP" --nproc-per-node @@procs -- "${TRAIN_ARGS[@]}"@@out_arg "$@" &
