@@ -31,6 +31,22 @@ def add_options(p: argparse.ArgumentParser) -> None:
                    help=f"comma-separated checkpointing policies, one run each (default: {DEFAULT_POLICIES})")
 
 
+def _measure_peak_once(base: config.RunConfig) -> None:
+    """MFU divides by the device's peak. On CPU it is measured: once here, before the runs, and
+    cached for the machine, so every policy's run divides by the same peak (each run measuring its
+    own let contention make `alternate` look more efficient than `none`)."""
+    import torch
+
+    from . import dist, meters, policies as pol
+
+    if torch.cuda.is_available():
+        return  # GPU peaks come from data sheets
+    torch.set_num_threads(base.threads or dist.default_threads(1))  # what each run will use
+    cpu = torch.device("cpu")
+    peak, source = meters.peak_flops(cpu, pol.resolve_precision(base.precision, cpu), refresh=True)
+    print(f"[hpcbert bench] peak {peak / 1e9:.0f} GFLOP/s for MFU ({source})", file=sys.stderr, flush=True)
+
+
 def run(ns: argparse.Namespace) -> int:
     from .report import bench_report
 
@@ -40,6 +56,7 @@ def run(ns: argparse.Namespace) -> int:
     env = dict(os.environ)
     pkg_root = str(Path(__file__).resolve().parent.parent)
     env["PYTHONPATH"] = pkg_root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    _measure_peak_once(base)
     run_dirs = []
     for policy in policies:
         cfg = base.replace(grad_ckpt=policy, out=str(bench_dir / policy.replace(":", "")))

@@ -36,7 +36,7 @@ from .stopping import REASONS, StopConditions
 
 # With --lr-horizon time-budget, the decay horizon is fitted once this many steps have run, from the
 # median time of the steps after the first (which pays for lazy initialisation).
-FIT_HORIZON_AFTER = 5
+FIT_HORIZON_AFTER = 3
 
 
 def log(d: dist.Dist, msg: str) -> None:
@@ -599,7 +599,7 @@ class Trainer:
             "tokens_per_sec": steady["tokens_per_sec"],
             "padded_tokens_per_sec": steady["padded_tokens_per_sec"],
             "throughput_method": (f"summed step times of steps {warmup + 1}..{len(meter)} (the first {warmup} "
-                                  f"untimed); a step runs from its first batch to the end of the optimizer step, so "
+                                  f"excluded from timing); a step runs from its first batch to the end of the optimizer step, so "
                                   f"evaluation, checkpoint and logging time is excluded"),
             "time_budget_s": cfg.time_budget,
             "steps_in_budget": in_budget[0] if in_budget else None,

@@ -77,8 +77,8 @@ class SequenceClassification:
 
     def predict(self, outputs: torch.Tensor, batch: Batch) -> np.ndarray:
         if self.spec.is_regression:
-            return outputs.float().squeeze(-1).cpu().numpy()
-        return outputs.argmax(-1).cpu().numpy()
+            return outputs.detach().float().squeeze(-1).cpu().numpy()
+        return outputs.detach().argmax(-1).cpu().numpy()
 
     def metrics(self, split: str, predictions: np.ndarray, feats: Features) -> dict[str, float]:
         if self.spec is SYNTHETIC:

@@ -1,0 +1,343 @@
+"""The Trainer and its objective interface, in process on a tiny model: the step never syncs the
+device, the per-step agreement read one step late gives the same run, the time-fitted LR horizon,
+the shared CPU peak, precision choices on GPUs we do not have (mocked capability), start-up
+errors that leave no run directory, and the objective protocol."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import run_env
+from hpcbert import batching, dist, meters, objectives, policies
+from hpcbert.config import RunConfig
+from hpcbert.model import BertConfig, BertForSequenceClassification
+from hpcbert.runfiles import read_metrics, read_summary
+from hpcbert.train import LRSchedule, Trainer, train
+
+TINY = dict(model="bert-tiny", task="synthetic", batch_size=8, synthetic_train_size=64, synthetic_dev_size=16,
+            log_every=1, threads=1, precision="fp32")
+
+
+def cli(*args, cwd=None, timeout=240, env=None):
+    return subprocess.run([sys.executable, "-m", "hpcbert.cli", *map(str, args)], env=env or run_env(), cwd=cwd,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+# --- the hot loop ------------------------------------------------------------------------------
+
+class _NoSync:
+    """Make every host read of a tensor's value raise: .item(), .tolist(), float(), int(), bool()."""
+
+    NAMES = ("item", "tolist", "__float__", "__int__", "__bool__", "numpy", "__index__")
+
+    def __enter__(self):
+        self.saved = {n: getattr(torch.Tensor, n) for n in self.NAMES}
+
+        def refuse(name):
+            def f(*a, **k):
+                raise AssertionError(f"Tensor.{name} called inside the step (a host-device sync)")
+            return f
+        for n in self.NAMES:
+            setattr(torch.Tensor, n, refuse(n))
+        return self
+
+    def __exit__(self, *exc):
+        for n, f in self.saved.items():
+            setattr(torch.Tensor, n, f)
+
+
+def test_a_step_reads_no_tensor_value_on_the_host(tmp_path):
+    d = dist.init(threads=1)
+    cfg = RunConfig(**TINY, max_steps=3, out=str(tmp_path / "run"), grad_accum=2)
+    tr = Trainer(cfg, d, objectives.get(cfg))
+    gb = np.arange(16)
+    with _NoSync():
+        loss, grad_norm, counts = tr.step(gb)
+    # The values are there, on the device, for whoever reads them later.
+    assert torch.isfinite(loss) and float(loss) > 0 and float(grad_norm) > 0
+    assert counts[0] > 0 and counts[1] >= counts[0]
+
+
+def test_the_sync_detector_detects_a_sync():
+    with _NoSync(), pytest.raises(AssertionError, match="Tensor.item"):
+        torch.ones(()).item()
+
+
+def test_one_agreement_per_step_with_everything_the_ranks_need(monkeypatch, tmp_path):
+    posted = []
+    real_post = dist.Agreement.post
+
+    def post(self, tag, host, device_values=()):
+        posted.append((tag, list(host), len(device_values)))
+        return real_post(self, tag, host, device_values)
+
+    monkeypatch.setattr(dist.Agreement, "post", post)
+    s = train(RunConfig(**TINY, max_steps=4, out=str(tmp_path / "run")))
+    steps = [p for p in posted if p[0] is not None]
+    assert len(posted) == 5 and len(steps) == 4  # the decision before step 1, then one per step
+    assert [p[0].step for p in steps] == [1, 2, 3, 4]
+    # stop code, signal, save request + real tokens, padded tokens, FLOPs; on the device: loss, non-finite, norm
+    assert all(len(p[1]) == 6 and p[2] == 3 for p in steps)
+    assert s["steps"] == 4 and s["nonfinite_grad_steps"] == 0
+
+
+def test_reading_the_agreement_one_step_late_gives_the_same_run(monkeypatch, tmp_path):
+    base = dict(TINY, dropout=0.0, max_steps=6, checkpoint_steps=3)
+    a = train(RunConfig(**base, out=str(tmp_path / "lag0")))
+    real_init = dist.Agreement.__init__
+    monkeypatch.setattr(dist.Agreement, "__init__", lambda self, d, lag=None: real_init(self, d, lag=1))
+    b = train(RunConfig(**base, out=str(tmp_path / "lag1")))
+    la = [m["loss"] for m in read_metrics(tmp_path / "lag0")]
+    lb = [m["loss"] for m in read_metrics(tmp_path / "lag1")]
+    assert len(la) == 6 and la == pytest.approx(lb, rel=1e-6)
+    assert a["steps"] == b["steps"] == 6
+    assert sorted(p.name for p in (tmp_path / "lag1" / "checkpoints").iterdir()) == ["step-00000003", "step-00000006"]
+
+
+def test_agreement_keeps_lag_results_pending_until_flushed():
+    d = dist.Dist(0, 1, 0, 1, torch.device("cpu"))
+    a = dist.Agreement(d, lag=1)
+    a.post("s1", [1.0, 2.0], [torch.tensor(3.0)])
+    assert a.ready() == []
+    a.post("s2", [4.0, 5.0], [torch.tensor(6.0)])
+    assert a.ready() == [("s1", [1.0, 2.0, 3.0])]
+    assert a.ready(flush=True) == [("s2", [4.0, 5.0, 6.0])]
+
+
+# --- the LR schedule fitted to the time box ----------------------------------------------------
+
+def test_lr_schedule_warmup_then_linear_decay_and_refit():
+    s = LRSchedule(warmup=4, horizon=20)
+    assert [s(i) for i in range(4)] == [0.25, 0.5, 0.75, 1.0]
+    assert s(12) == pytest.approx((20 - 12) / 16) and s(20) == 0.0 and s(25) == 0.0
+    s.refit(warmup=2, horizon=10)
+    assert s(1) == 1.0 and s(6) == pytest.approx(4 / 8) and s(10) == 0.0
+
+
+def test_a_time_boxed_run_decays_to_zero_inside_its_box(tmp_path):
+    # Planned: 3 epochs of 4096 examples (1536 steps); the 30 s box (start-up included) holds far fewer.
+    out = tmp_path / "run"
+    r = cli("train", "--model", "bert-tiny", "--task", "synthetic", "--batch-size", 8, "--epochs", 3,
+            "--time-budget", "30s", "--lr-horizon", "time-budget", "--log-every", 1, "--threads", 1,
+            "--precision", "fp32", "--synthetic-dev-size", 16, "--out", out)
+    assert r.returncode == 0, r.stderr[-2000:]
+    s = read_summary(out)
+    assert s["stopped_by"] == "time_budget" and s["steps"] > 3, "the box must hold more than the fitting steps"
+    assert s["lr_horizon_steps"] < 1536
+    assert "time budget" in s["lr_horizon_source"]
+    lrs = [m["lr"] for m in read_metrics(out)]
+    peak = max(lrs)
+    # Decays after the peak; the last step ran at a small fraction of it (the planned schedule
+    # would still be in its warm-up here: 154 warm-up steps).
+    assert lrs[-1] < 0.35 * peak, lrs
+    # The horizon the run used is where it would have reached zero: never far past the box.
+    assert s["lr_horizon_steps"] <= 2 * s["steps"] + 5
+
+
+def test_time_budget_horizon_needs_a_budget():
+    with pytest.raises(ValueError, match="lr_horizon: 'time-budget' fits the LR decay to --time-budget"):
+        RunConfig(lr_horizon="time-budget")
+
+
+# --- devices we do not have: precision by compute capability -----------------------------------
+
+@pytest.mark.parametrize("capability,expected", [((7, 0), "fp32"), ((7, 5), "fp32"), ((8, 0), "bf16"),
+                                                 ((9, 0), "bf16")])
+def test_auto_precision_is_bf16_only_from_ampere(monkeypatch, capability, expected):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)  # counts emulation (V100/T4)
+    assert policies.resolve_precision("auto", torch.device("cuda", 0)) == expected
+
+
+def test_tf32_for_fp32_on_ampere_only(monkeypatch):
+    before = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    try:
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 0))
+        assert policies.enable_tf32("fp32", torch.device("cuda", 0)) is False
+        assert torch.backends.cuda.matmul.allow_tf32 is False
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+        assert policies.enable_tf32("bf16", torch.device("cuda", 0)) is False
+        assert policies.enable_tf32("fp32", torch.device("cpu")) is False
+        assert policies.enable_tf32("fp32", torch.device("cuda", 0)) is True
+        assert torch.backends.cuda.matmul.allow_tf32 is True and torch.backends.cudnn.allow_tf32 is True
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before
+
+
+@pytest.mark.parametrize("name,label,bf16", [
+    ("NVIDIA H100 80GB HBM3", "H100 SXM", 989e12), ("NVIDIA H100 PCIe", "H100 PCIe", 756e12),
+    ("NVIDIA H100 NVL", "H100 NVL", 835e12), ("NVIDIA A10", "A10", 125e12), ("NVIDIA A10G", "A10G", 70e12),
+    ("NVIDIA A100-SXM4-80GB", "A100", 312e12), ("NVIDIA H200", "H200", 989e12)])
+def test_gpu_peaks_tell_the_variants_apart(name, label, bf16):
+    value, source = meters.gpu_peak_flops(name, "bf16")
+    assert value == bf16 and source.endswith(f"{label} bf16")
+
+
+def test_cpu_peak_is_measured_once_per_machine_and_only_moves_up(monkeypatch, tmp_path):
+    monkeypatch.setenv("HPCBERT_CACHE", str(tmp_path))
+    measured = iter([100e9, 50e9, 300e9])
+    monkeypatch.setattr(meters, "measure_cpu_peak", lambda dtype, **k: next(measured))
+    cpu = torch.device("cpu")
+    assert meters.peak_flops(cpu, "fp32")[0] == 100e9
+    assert meters.peak_flops(cpu, "fp32")[0] == 100e9          # cached: not measured again
+    assert meters.peak_flops(cpu, "fp32", refresh=True)[0] == 100e9  # a slower re-measure does not lower it
+    assert meters.peak_flops(cpu, "fp32", refresh=True)[0] == 300e9
+    assert json.loads((tmp_path / "peak_flops.json").read_text())  # one file, readable
+
+
+def test_bench_runs_share_one_peak(tmp_path):
+    env = run_env()
+    env["HPCBERT_CACHE"] = str(tmp_path / "cache")
+    r = subprocess.run([sys.executable, "-m", "hpcbert.cli", "bench", "--model", "bert-tiny", "--max-steps", "3",
+                        "--batch-size", "4", "--synthetic-dev-size", "8", "--policies", "none,all", "--out",
+                        str(tmp_path / "b"), "--precision", "fp32", "--time-budget", "60s"],
+                       env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    peaks = {read_summary(tmp_path / "b" / p)["peak_flops"] for p in ("none", "all")}
+    assert len(peaks) == 1
+
+
+def test_probe_catches_the_cuda_oom_class_that_torch_2_3_has(monkeypatch):
+    # torch 2.3 (allowed by pyproject) has torch.cuda.OutOfMemoryError but no torch.OutOfMemoryError.
+    model = torch.nn.Linear(2, 2)
+    monkeypatch.delattr(torch, "OutOfMemoryError", raising=False)
+    for name in ("synchronize", "empty_cache", "reset_peak_memory_stats"):
+        monkeypatch.setattr(torch.cuda, name, lambda *a, **k: None)
+    real_empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, device=None, **k: real_empty(1))
+
+    def loss_of(b):
+        if b > 6:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory (simulated)")
+        return model(torch.ones(b, 2)).sum()
+
+    assert batching.probe_max_batch(model, loss_of, torch.device("cuda", 0), limit=64) == int(6 * 0.9)
+
+
+# --- start-up: user errors are one line, and a failed start leaves no run directory ------------
+
+def test_resume_from_a_path_that_does_not_exist_fails_at_once_in_one_line(tmp_path):
+    out = tmp_path / "run"
+    t0 = time.time()
+    r = cli("train", "--model", "bert-tiny", "--max-steps", 2, "--resume", tmp_path / "nope", "--out", out)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    err = [line for line in r.stderr.splitlines() if "error" in line]
+    assert len(err) == 1 and f"{tmp_path / 'nope'} does not exist" in err[0]
+    assert "MANIFEST" not in r.stderr and "RANDOM weights" not in r.stderr  # before model and data
+    assert not out.exists() and time.time() - t0 < 60
+
+
+@pytest.mark.parametrize("args,words", [
+    (["--task", "mrpx", "--data-dir", "."], "mrpx"),
+    (["--task", "mrpc", "--data-dir", "/nonexistent-glue"], "/nonexistent-glue"),
+])
+def test_a_failed_start_leaves_no_run_directory(tmp_path, args, words):
+    out = tmp_path / "run"
+    r = cli("train", "--model", "bert-tiny", "--max-steps", 2, *args, "--out", out)
+    assert r.returncode == 2 and "Traceback" not in r.stderr and words in r.stderr
+    assert not out.exists()
+
+
+def test_a_checkpoint_error_is_one_line_naming_the_file(tmp_path):
+    out = tmp_path / "run"
+    r = cli("train", "--model", "bert-tiny", "--max-steps", 2, "--checkpoint-steps", 1, "--synthetic-dev-size", 8,
+            "--threads", 1, "--out", out)
+    assert r.returncode == 0, r.stderr[-2000:]
+    ck = out / "checkpoints" / "step-00000002"
+    (ck / "shared.pt").write_bytes(b"damaged")
+    r = cli("train", "--model", "bert-tiny", "--max-steps", 4, "--resume", ck, "--out", out)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    err = [line for line in r.stderr.splitlines() if "error" in line]
+    assert len(err) == 1 and f"{ck / 'shared.pt'}: 7 bytes, manifest says" in err[0]
+
+
+def test_every_subcommand_help_exits_0_and_lists_its_options():
+    for sub, option in (("train", "--warmup-steps-excluded"), ("bench", "--policies"), ("report", "--format"),
+                        ("submit", "--scheduler")):
+        r = cli(sub, "--help", timeout=60)
+        assert r.returncode == 0, (sub, r.stderr[-1000:])
+        assert option in r.stdout and "usage:" in r.stdout
+    r = cli("--help", timeout=60)
+    assert r.returncode == 0 and all(s in r.stdout for s in ("train", "bench", "report", "submit"))
+
+
+# --- the stop file of any run ------------------------------------------------------------------
+
+def test_run_dir_stop_file_stops_a_plain_run_with_a_checkpoint(tmp_path):
+    out = tmp_path / "run"
+    env = run_env()
+    env.pop("HPCBERT_STOP_FILE", None)
+    proc = subprocess.Popen([sys.executable, "-m", "hpcbert.cli", "train", "--model", "bert-tiny", "--max-steps",
+                             "100000", "--batch-size", "4", "--threads", "1", "--log-every", "1", "--out", str(out)],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 120
+        while not (out / "metrics.jsonl").is_file() or not (out / "metrics.jsonl").read_text().strip():
+            assert time.time() < deadline and proc.poll() is None, "the run did not start"
+            time.sleep(0.2)
+        (out / "STOP").touch()
+        _, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, err[-2000:]
+    s = read_summary(out)
+    assert s["stopped_by"] == "stop_file" and 0 < s["steps"] < 100000
+    assert (out / "checkpoints" / f"step-{s['steps']:08d}" / "MANIFEST.json").is_file()
+    assert "run the same command again to resume" in err
+
+
+# --- the model's config.json -------------------------------------------------------------------
+
+def test_hf_config_keys_that_change_the_maths_are_honoured_and_the_others_named(tmp_path):
+    raw = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64, vocab_size=100,
+               classifier_dropout=0.0, hidden_dropout_prob=0.5, architectures=["BertModel"], model_type="bert",
+               id2label={"0": "neg", "1": "neu", "2": "pos"})
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(raw))
+    cfg, ignored = BertConfig.read_json(path)
+    assert ignored == ["architectures", "model_type"]
+    assert cfg.num_labels == 3 and cfg.classifier_dropout == 0.0
+    m = BertForSequenceClassification(cfg).train()
+    assert m.dropout.p == 0.0  # HF: classifier_dropout replaces hidden_dropout_prob before the head
+    path.write_text(json.dumps({**raw, "is_decoder": True}))
+    with pytest.raises(ValueError, match="is_decoder=true is not supported"):
+        BertConfig.read_json(path)
+
+
+# --- the objective protocol --------------------------------------------------------------------
+
+def test_glue_and_synthetic_objectives_implement_the_protocol():
+    from hpcbert.objectives.classification import SequenceClassification
+    for task, labels in (("synthetic", 2), ("mrpc", 2), ("mnli", 3), ("sts-b", 1)):
+        obj = objectives.get(RunConfig(task=task, data_dir="x" if task != "synthetic" else None))
+        assert isinstance(obj, SequenceClassification) and obj.name == task
+        model = obj.build_model(BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                           intermediate_size=64, vocab_size=100))
+        batch = obj.example_batch(3, 10, 100)
+        out = obj.forward(model, batch)
+        assert out.shape == (3, labels)
+        assert obj.loss_sum(model, out, batch).ndim == 0 and obj.predict(out, batch).shape == (3,)
+    with pytest.raises(ValueError, match="mrpx"):
+        objectives.get(RunConfig(task="mrpx", data_dir="x"))
+
+
+def test_plain_torchrun_without_out_gives_every_rank_one_directory(tmp_path):
+    env = run_env()
+    env.update(OMP_NUM_THREADS="1")
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                        "-m", "hpcbert.cli", "train", "--model", "bert-tiny", "--max-steps", "2", "--batch-size", "2",
+                        "--synthetic-dev-size", "4", "--threads", "1", "--dist-timeout", "60"],
+                       cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+    assert r.returncode == 0, r.stderr[-3000:]
+    dirs = list((tmp_path / "runs").iterdir())
+    assert len(dirs) == 1 and (dirs[0] / "summary.json").is_file(), dirs
