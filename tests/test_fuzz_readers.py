@@ -297,3 +297,173 @@ def test_fuzzed_glue_files_are_read_exactly_or_rejected_with_file_and_line(scrat
     # Both sides of the property were exercised, not only the rejections.
     total = sum(outcomes.values())
     assert outcomes["read"] > total // 10 and outcomes["rejected"] > total // 10, outcomes
+
+
+# --- the checkpoint manifest reader ---------------------------------------------------------------
+
+ODD_VALUES = [None, True, False, 0, 1, 2, 3, -1, 1.5, 2.0, "2", "", "x" * 300, [], {}, [1], {"bytes": 1},
+              10**12, 2**70, float("inf"), float("nan"), "0" * 64, "f" * 64, "F" * 64, "rank-00000.pt"]
+
+
+def random_checkpoint_mutation(rng: random.Random, manifest: dict) -> tuple:
+    """What to do to the newest checkpoint: to its manifest's bytes, to its parsed JSON, or to a
+    data file. Descriptors are plain tuples so a failure message shows exactly what was done."""
+    target = rng.choice(["manifest_bytes", "manifest_json", "manifest_json", "data", "none"])
+    if target == "manifest_bytes":
+        return ("manifest_bytes", random_mutation(rng))
+    if target == "data":
+        name = rng.choice(sorted(manifest["files"]))
+        op = rng.choice(["flip", "truncate", "append", "delete", "directory"])
+        return ("data", name, op, rng.randrange(1 << 20), rng.randrange(1, 256))
+    if target == "none":
+        return ("none",)
+    keys = ["step", "world_size", "files", "extra"]
+    op = rng.choice(["set", "delete", "set_entry", "delete_entry", "add_entry", "rename_entry", "replace_root",
+                     "nest", "reformat"])
+    return ("manifest_json", op, rng.choice(keys), rng.choice(sorted(manifest["files"])),
+            rng.choice(["bytes", "sha256", "other"]), rng.choice(ODD_VALUES), rng.randrange(1 << 20))
+
+
+def apply_checkpoint_mutation(ckdir: Path, manifest_bytes: bytes, original: bytes, m: tuple) -> None:
+    """Apply `m` to ckdir; `manifest_bytes` is the manifest as it is now (JSON edits of a manifest
+    that an earlier mutation left unparsable start from the `original` one)."""
+    kind = m[0]
+    if kind == "manifest_bytes":
+        (ckdir / "MANIFEST.json").write_bytes(mutate(manifest_bytes, m[1]))
+    elif kind == "data":
+        _, name, op, pos, xor = m
+        f = ckdir / name
+        if not f.is_file():  # already deleted or replaced by an earlier mutation
+            return
+        data = f.read_bytes()
+        if op == "flip":
+            i = pos % len(data)
+            f.write_bytes(data[:i] + bytes([data[i] ^ xor]) + data[i + 1:])
+        elif op == "truncate":
+            f.write_bytes(data[: pos % len(data)])
+        elif op == "append":
+            f.write_bytes(data + bytes([xor]))
+        elif op == "delete":
+            f.unlink()
+        else:  # a directory where the file should be
+            f.unlink()
+            f.mkdir()
+    elif kind == "manifest_json":
+        _, op, key, entry, field, value, pos = m
+        try:
+            obj = json.loads(manifest_bytes)
+        except (ValueError, RecursionError):
+            obj = None
+        if not (isinstance(obj, dict) and isinstance(obj.get("files"), dict)
+                and all(isinstance(v, dict) for v in obj["files"].values()) and entry in obj["files"]):
+            obj = json.loads(original)
+        files = obj["files"]
+        if op == "set":
+            obj[key] = value
+        elif op == "delete":
+            obj.pop(key, None)
+        elif op == "set_entry":
+            if field == "other":
+                files[entry] = value
+            else:
+                files[entry][field] = value
+        elif op == "delete_entry":
+            files[entry].pop(field, None) if field != "other" else files.pop(entry)
+        elif op == "add_entry":
+            files[f"rank-{pos % 3:05d}.pt" if pos % 2 else f"../{entry}"] = dict(files[entry])
+        elif op == "rename_entry":
+            files[entry.upper()] = files.pop(entry)
+        elif op == "replace_root":
+            obj = value
+        if op == "nest":  # deeper than any JSON parser recursion limit
+            text = "[" * (pos % 50_000 + 2_000) + "]" * (pos % 50_000 + 2_000)
+        elif op == "reformat":  # the same manifest, other whitespace and key order: still valid
+            text = json.dumps(dict(reversed(list(obj.items()))), indent=pos % 5, separators=(",", ": "))
+        else:
+            text = json.dumps(obj)
+        (ckdir / "MANIFEST.json").write_text(text)
+
+
+def manifest_oracle(ckdir: Path, original: dict, data_ok: bool) -> bool:
+    """True iff the checkpoint in `ckdir` is intact: its manifest parses (UTF-8 JSON) to an object
+    whose step, world_size and files are the saved ones, with the same JSON types (extra keys and
+    formatting are allowed), and every data file holds the saved bytes."""
+    if not data_ok:
+        return False
+    try:
+        obj = json.loads((ckdir / "MANIFEST.json").read_bytes().decode("utf-8"))
+    except (ValueError, RecursionError):
+        return False
+    canon = lambda x: json.dumps(x, sort_keys=True)  # noqa: E731  (1 vs true vs 1.0 differ here)
+    return (isinstance(obj, dict) and all(k in obj for k in ("step", "world_size", "files"))
+            and all(canon(obj[k]) == canon(original[k]) for k in ("step", "world_size", "files")))
+
+
+def test_fuzzed_checkpoints_verify_exactly_when_intact_and_latest_falls_back(scratch):
+    import torch
+
+    from hpcbert.checkpoint import CheckpointError, CheckpointManager
+    from hpcbert.model import BertConfig, BertForSequenceClassification
+
+    # A real checkpoint of a tiny model with its optimizer state, saved by the kit (torch only here).
+    torch.manual_seed(0)
+    model = BertForSequenceClassification(BertConfig(vocab_size=64, hidden_size=16, num_hidden_layers=1,
+                                                     num_attention_heads=2, intermediate_size=32,
+                                                     max_position_embeddings=32))
+    opt = torch.optim.AdamW(model.parameters())
+    ids = torch.randint(0, 64, (2, 8))
+    model.loss_sum(model(ids, None, torch.zeros_like(ids)), torch.tensor([0, 1])).backward()
+    opt.step()
+    mgr = CheckpointManager(scratch / "checkpoints", keep_last=3)
+    mgr.save(1, {"model": model.state_dict(), "optimizer": opt.state_dict()}, {"rng": torch.get_rng_state()})
+    ckdir = mgr.save(2, {"model": model.state_dict(), "optimizer": opt.state_dict()}, {"rng": torch.get_rng_state()})
+    originals = {p.name: p.read_bytes() for p in ckdir.iterdir()}
+    manifest_bytes = originals["MANIFEST.json"]
+    manifest = json.loads(manifest_bytes)
+    outcomes = {"intact": 0, "rejected": 0}
+
+    touched = set(originals)  # files a mutation may have changed since they were last restored
+
+    def restore():
+        for name in touched:
+            if (ckdir / name).is_dir():
+                (ckdir / name).rmdir()
+            (ckdir / name).write_bytes(originals[name])
+        touched.clear()
+
+    @FUZZ
+    @given(seed=st.integers(0, 2**64 - 1), count=st.integers(1, 2))
+    def check(seed, count):
+        rng = random.Random(seed)
+        mutations = [random_checkpoint_mutation(rng, manifest) for _ in range(count)]
+        restore()
+        for m in mutations:
+            touched.add(m[1] if m[0] == "data" else "MANIFEST.json")
+            apply_checkpoint_mutation(ckdir, (ckdir / "MANIFEST.json").read_bytes(), manifest_bytes, m)
+        data_ok = all((ckdir / n).is_file() and (ckdir / n).read_bytes() == originals[n]
+                      for n in touched if n != "MANIFEST.json")
+        intact = manifest_oracle(ckdir, manifest, data_ok)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            found = mgr.latest()
+        if intact:
+            ck = mgr.verify(ckdir)
+            assert (ck.path, ck.step, ck.world_size) == (ckdir, 2, 1), mutations
+            assert found.step == 2 and not caught, mutations
+            outcomes["intact"] += 1
+        else:
+            with pytest.raises(CheckpointError) as e:
+                mgr.verify(ckdir)
+            message = str(e.value)
+            assert message.startswith(f"{ckdir}/") and "\n" not in message and len(message) < 1000, (message, mutations)
+            assert found is not None and found.step == 1, mutations  # the previous checkpoint, verified
+            assert len(caught) == 1 and str(ckdir) in str(caught[0].message), mutations
+            outcomes["rejected"] += 1
+
+    check()
+    touched.update(originals)
+    restore()
+    assert sorted(p.name for p in ckdir.iterdir()) == sorted(originals)  # no mutation escaped restore()
+    assert mgr.load(mgr.verify(ckdir))[0]["model"]["classifier.weight"].equal(model.state_dict()["classifier.weight"])
+    total = sum(outcomes.values())
+    assert outcomes["intact"] > total // 10 and outcomes["rejected"] > total // 10, outcomes
