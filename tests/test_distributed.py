@@ -278,3 +278,19 @@ def test_auto_batch_on_a_gpu_fits_and_grows_with_checkpointing():
         del model
         torch.cuda.empty_cache()
     assert 1 <= sizes["none"] < sizes["all"]
+
+
+@slow
+def test_grad_accumulation_under_ddp_gives_the_losses_and_parameters_of_one_process(one_proc_8, tmp_path):
+    # 2 ranks x batch 2 x 2 micro-batches = the global batch 8 of one process: DDP's no_sync on
+    # the first micro-batch, one all-reduce on the last, the same losses and the same parameters.
+    accum = launch(tmp_path, 2, "--batch-size", 2, "--grad-accum", 2, "--synthetic-train-size", 37,
+                   "--max-steps", 5)
+    assert accum.summary["global_batch_size"] == 8 and accum.summary["grad_accum"] == 2
+    for a, b in zip(accum.losses, one_proc_8.losses, strict=True):
+        assert abs(a - b) <= 1e-5 * abs(b), (accum.losses, one_proc_8.losses)
+    r0, r1 = accum.ranks
+    assert r0["param_sha256"] == r1["param_sha256"]
+    assert all(len(step) == 2 for step in r0["shards"])  # two micro-batches per step on each rank
+    for g, ref in zip(r0["grads"], one_proc_8.ranks[0]["grads"], strict=True):
+        assert rel(g, ref) <= 1e-5

@@ -341,3 +341,19 @@ def test_plain_torchrun_without_out_gives_every_rank_one_directory(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     dirs = list((tmp_path / "runs").iterdir())
     assert len(dirs) == 1 and (dirs[0] / "summary.json").is_file(), dirs
+
+
+# --- torch.compile ---------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_compile_trains_the_same_losses_as_eager(tmp_path):
+    common = ["train", "--model", "bert-tiny", "--max-steps", 3, "--batch-size", 8, "--dropout", 0, "--precision",
+              "fp32", "--log-every", 1, "--no-do-eval", "--threads", 1]
+    r = cli(*common, "--compile", "--out", tmp_path / "compiled", timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    r = cli(*common, "--out", tmp_path / "eager")
+    assert r.returncode == 0, r.stderr[-3000:]
+    compiled = [m["loss"] for m in read_metrics(tmp_path / "compiled")]
+    eager = [m["loss"] for m in read_metrics(tmp_path / "eager")]
+    assert read_summary(tmp_path / "compiled")["compile"] is True
+    assert len(compiled) == 3 and compiled == pytest.approx(eager, rel=1e-5)

@@ -1,0 +1,77 @@
+"""GPU checks: CI has no GPU and skips them; they run unchanged on a GPU machine with
+`python -m pytest -m gpu`. fp16 with the loss scaler, NCCL under torchrun, --per-rank-batch auto
+and bf16 on the device, each through the real CLI; figures are checked against the CPU's."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import run_env
+from hpcbert.runfiles import read_metrics, read_summary
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+TINY = ["train", "--model", "bert-tiny", "--task", "synthetic", "--batch-size", "16", "--synthetic-dev-size", "64",
+        "--log-every", "1"]
+
+
+def run(*args, nproc: int = 1, timeout: int = 600):
+    prefix = [sys.executable, "-m", "hpcbert.cli"] if nproc == 1 else \
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), "-m",
+         "hpcbert.cli"]
+    r = subprocess.run([*prefix, *map(str, args)], env=run_env(), capture_output=True, text=True, timeout=timeout)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return r
+
+
+def test_fp16_with_the_loss_scaler_trains_and_matches_fp32(tmp_path):
+    steps = 40
+    run(*TINY, "--max-steps", steps, "--precision", "fp16", "--lr", "1e-3", "--dropout", "0", "--out", tmp_path / "fp16")
+    run(*TINY, "--max-steps", steps, "--precision", "fp32", "--lr", "1e-3", "--dropout", "0", "--out", tmp_path / "fp32")
+    s16, s32 = read_summary(tmp_path / "fp16"), read_summary(tmp_path / "fp32")
+    assert s16["precision"] == "fp16" and s16["dist_backend"] is None
+    l16 = [m["loss"] for m in read_metrics(tmp_path / "fp16")]
+    l32 = [m["loss"] for m in read_metrics(tmp_path / "fp32")]
+    # The scaler may skip a few steps at the start (inf gradients while it finds its scale); the
+    # rest train like fp32: the last losses within a few percent, both well below the first.
+    assert s16["nonfinite_grad_steps"] < 10
+    assert abs(l16[-1] - l32[-1]) <= 0.05 * l32[-1] + 0.02 and l16[-1] < l16[0]
+
+
+def test_nccl_two_processes_give_the_losses_of_one(tmp_path):
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs for two NCCL ranks")
+    common = [*TINY, "--max-steps", 5, "--precision", "fp32", "--dropout", "0", "--max-grad-norm", "0"]
+    run(*common, "--batch-size", 8, "--out", tmp_path / "one")
+    run(*common, "--batch-size", 4, "--out", tmp_path / "two", nproc=2)
+    assert read_summary(tmp_path / "two")["dist_backend"] == "nccl"
+    one = [m["loss"] for m in read_metrics(tmp_path / "one")]
+    two = [m["loss"] for m in read_metrics(tmp_path / "two")]
+    assert two == pytest.approx(one, rel=1e-3)  # reduction order (and TF32 on Ampere+) differ
+
+
+def test_nccl_single_rank_under_torchrun(tmp_path):
+    run(*TINY, "--max-steps", 3, "--out", tmp_path / "r", nproc=1)
+    s = read_summary(tmp_path / "r")
+    assert s["steps"] == 3 and s["hardware"]["device_type"] == "cuda"
+
+
+def test_per_rank_batch_auto_probes_the_gpu_and_grows_with_checkpointing(tmp_path):
+    for policy in ("none", "all"):
+        run("train", "--model", "bert-base", "--task", "synthetic", "--max-seq-length", 512, "--per-rank-batch",
+            "auto", "--grad-ckpt", policy, "--max-steps", 2, "--synthetic-train-size", 4096, "--no-do-eval",
+            "--out", tmp_path / policy)
+    none, all_ = (read_summary(tmp_path / p)["per_device_batch_size"] for p in ("none", "all"))
+    assert 1 <= none < all_
+
+
+def test_auto_precision_on_this_gpu_follows_its_compute_capability(tmp_path):
+    run(*TINY, "--max-steps", 2, "--out", tmp_path / "r")
+    s = read_summary(tmp_path / "r")
+    native = torch.cuda.get_device_capability(0) >= (8, 0)
+    assert s["precision"] == ("bf16" if native else "fp32")
+    assert s["peak_flops"] is None or s["mfu"] is None or 0 < s["mfu"] < 1
