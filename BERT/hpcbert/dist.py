@@ -116,16 +116,30 @@ def _check_in(rank: int, world: int, timeout_s: float) -> dist.Store:
     # rank 0 hosts it, exactly as init_process_group's env:// rendezvous would.
     agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     prefix = f"hpcbert/start{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"  # fresh keys per restart
-    store = check_in(rank, world, timeout_s, addr, port, host_store=(rank == 0 and not agent_store), prefix=prefix,
-                     store_host="torchrun's agent on the head node" if agent_store else "rank 0")
-    return dist.PrefixStore(f"{prefix}/pg", store)
+    rv = Rendezvous(addr, port, prefix, host_store=(rank == 0 and not agent_store),
+                    store_host="torchrun's agent on the head node" if agent_store else "rank 0")
+    return dist.PrefixStore(f"{prefix}/pg", check_in(rank, world, timeout_s, rv))
 
 
-def check_in(rank: int, world: int, timeout_s: float, addr: str, port: int, host_store: bool, prefix: str,
-             who: str = "rank", option: str = "--dist-timeout", store_host: str = "rank 0") -> dist.TCPStore:
+@dataclass(frozen=True)
+class Rendezvous:
+    """Where and how members check in: the store at addr:port under key `prefix`, hosted by this
+    member or not; `who` (rank / node), `option` (the timeout's flag) and `store_host` word the errors."""
+    addr: str
+    port: int
+    prefix: str
+    host_store: bool
+    who: str = "rank"
+    option: str = "--dist-timeout"
+    store_host: str = "rank 0"
+
+
+def check_in(rank: int, world: int, timeout_s: float, rv: Rendezvous) -> dist.TCPStore:
     """Every member (rank, or node for the launcher) announces itself in a TCPStore at addr:port
     and waits until all `world` have. Raises StartupError naming the members that did not arrive
     within timeout_s; member 0 publishes the list so every waiting member reports the same."""
+    addr, port, host_store, prefix, who, option, store_host = (rv.addr, rv.port, rv.host_store, rv.prefix, rv.who,
+                                                                rv.option, rv.store_host)
     where = f"{addr}:{port}"
     deadline = time.monotonic() + timeout_s
     unreachable = (f"{store_host} never started or is unreachable from {socket.gethostname()} "

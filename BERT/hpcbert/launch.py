@@ -126,7 +126,7 @@ def default_port(job_id: str) -> int:
     return 29400 + zlib.crc32(job_id.encode()) % 500
 
 
-def torchrun_command(nodes: Nodes, nproc_per_node: int | str, port: int, train_args: list[str],
+def torchrun_command(nodes: Nodes, nproc_per_node: int | str, port: int, train_args: list[str], *,
                      local_addr: str | None = None, max_restarts: int = 0, join_timeout: int = 600,
                      python: str = sys.executable) -> list[str]:
     # is_host is always explicit: torch decides who hosts the rendezvous store by comparing the
@@ -156,14 +156,14 @@ def wait_for_nodes(nodes: Nodes, port: int, timeout_s: float) -> bool:
     which nodes never came, by rank and host) when some did not within timeout_s. torchrun's own
     rendezvous would only report a timeout, after --join-timeout, without naming anyone."""
     try:
-        from .dist import StartupError, check_in
+        from .dist import Rendezvous, StartupError, check_in
     except ImportError as e:  # torch only inside the container (HPCBERT_WRAPPER): torchrun waits alone
         print(f"hpcbert launch: no node check-in here ({e}); torchrun waits --join-timeout", file=sys.stderr)
         return True
     try:
-        store = check_in(nodes.node_rank, nodes.nnodes, timeout_s, nodes.head, port, host_store=nodes.node_rank == 0,
-                         prefix=f"hpcbert-launch/{nodes.job_id}", who="node", option="--join-timeout",
-                         store_host=f"the launcher on the head node {nodes.head}")
+        rv = Rendezvous(nodes.head, port, f"hpcbert-launch/{nodes.job_id}", host_store=nodes.node_rank == 0,
+                        who="node", option="--join-timeout", store_host=f"the launcher on the head node {nodes.head}")
+        store = check_in(nodes.node_rank, nodes.nnodes, timeout_s, rv)
     except StartupError as e:
         hosts = ", ".join(f"node {i} = {nodes.hosts[i]}" for i in e.missing)
         print(f"hpcbert launch: error: {e}" + (f" Not started: {hosts}." if hosts else ""), file=sys.stderr)
@@ -216,8 +216,9 @@ def main(argv: list[str] | None = None) -> int:
     local = nodes.hosts[nodes.node_rank]
     local_addr = ns.local_addr or (local if is_ip(local) and nodes.source != "single" else None)
     port = ns.port or default_port(nodes.job_id)
-    cmd = torchrun_command(nodes, ns.nproc_per_node or _default_nproc(env), port, train_args, local_addr,
-                           ns.max_restarts, ns.join_timeout, python=env.get("HPCBERT_PYTHON") or sys.executable)
+    cmd = torchrun_command(nodes, ns.nproc_per_node or _default_nproc(env), port, train_args, local_addr=local_addr,
+                           max_restarts=ns.max_restarts, join_timeout=ns.join_timeout,
+                           python=env.get("HPCBERT_PYTHON") or sys.executable)
     if env.get("HPCBERT_WRAPPER"):  # a container prefix (singularity/exec.sh): WRAPPER -- torchrun ...
         cmd = [env["HPCBERT_WRAPPER"], "--", *cmd]
     new_env = launch_env(env, ns.ifname)
