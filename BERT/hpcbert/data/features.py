@@ -134,7 +134,7 @@ class Batch:
     input_ids: torch.Tensor              # (B, T) int64
     token_type_ids: torch.Tensor         # (B, T) int64
     attention_mask: torch.Tensor | None  # (B, T) bool, None when nothing is padded
-    labels: torch.Tensor                 # (B,)
+    labels: torch.Tensor | dict[str, torch.Tensor]  # (B,) for classification; an objective's targets by name
     real_tokens: int                     # non-pad tokens in the batch
 
     def __len__(self) -> int:
@@ -142,9 +142,10 @@ class Batch:
 
     def to(self, device: torch.device) -> "Batch":
         nb = device.type == "cuda"
-        return Batch(self.input_ids.to(device, non_blocking=nb), self.token_type_ids.to(device, non_blocking=nb),
-                     None if self.attention_mask is None else self.attention_mask.to(device, non_blocking=nb),
-                     self.labels.to(device, non_blocking=nb), self.real_tokens)
+        move = lambda t: t.to(device, non_blocking=nb)  # noqa: E731
+        labels = {k: move(v) for k, v in self.labels.items()} if isinstance(self.labels, dict) else move(self.labels)
+        return Batch(move(self.input_ids), move(self.token_type_ids),
+                     None if self.attention_mask is None else move(self.attention_mask), labels, self.real_tokens)
 
 
 def collate(feats: Features, indices, pad_to: int | None = None, pad_id: int = 0) -> Batch:
