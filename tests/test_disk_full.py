@@ -7,6 +7,7 @@ The full disk is real where this runs as root: a 2 MiB tmpfs mounted as the chec
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import io
 import os
@@ -25,20 +26,27 @@ from hpcbert.checkpoint import CheckpointError, CheckpointManager
 PAGE = 4096  # tmpfs allocates whole pages
 
 
-@pytest.fixture
-def tiny_disk(tmp_path):
-    """A 2 MiB tmpfs at tmp_path/checkpoints (root only), unmounted afterwards."""
+@contextlib.contextmanager
+def tmpfs(path: Path, size: str):
+    """A tmpfs of `size` mounted at `path` (root only; skips otherwise), unmounted afterwards."""
     if os.geteuid() != 0:
         pytest.skip("mounting a tmpfs needs root")
-    disk = tmp_path / "checkpoints"
-    disk.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(disk)], capture_output=True, text=True)
+    path.mkdir(parents=True)
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+                       capture_output=True, text=True)
     if r.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip() or r.returncode}")
     try:
-        yield disk
+        yield path
     finally:
-        subprocess.run(["umount", "-l", str(disk)], check=False)
+        subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+@pytest.fixture
+def tiny_disk(tmp_path):
+    """A 2 MiB tmpfs at tmp_path/checkpoints."""
+    with tmpfs(tmp_path / "checkpoints", "2m") as disk:
+        yield disk
 
 
 def serialized_size(obj) -> int:
@@ -166,3 +174,22 @@ def test_a_failed_write_on_one_rank_raises_on_every_rank(tmp_path, failing):
         assert rank_lines[1] == "latest 3"
     assert lines[0][0] == lines[1][0]  # the same message on both ranks
     assert not list((tmp_path / "ck").glob(".step-*"))
+
+
+@pytest.mark.slow
+@pytest.mark.root
+def test_training_run_whose_checkpoint_disk_fills_stops_with_one_line_and_keeps_the_last_checkpoint(tmp_path):
+    # bert-tiny's checkpoint (weights + AdamW moments) is ~51 MB: step 1 fits on 80 MB, step 2 does not.
+    run = tmp_path / "run"
+    with tmpfs(run / "checkpoints", "80m") as disk:
+        r = subprocess.run([sys.executable, "-m", "hpcbert.cli", "train", "--model", "bert-tiny",
+                            "--task", "synthetic", "--max-steps", "3", "--checkpoint-steps", "1", "--batch-size", "4",
+                            "--synthetic-train-size", "64", "--synthetic-dev-size", "8", "--threads", "1",
+                            "--out", str(run)], env=run_env(), capture_output=True, text=True, timeout=240)
+        assert r.returncode == 2, r.stderr[-3000:]
+        assert "Traceback" not in r.stderr
+        assert r.stderr.splitlines()[-1] == (
+            f"hpcbert train: error: checkpoint of step 2 not saved: {disk / '.step-00000002.tmp'}/shared.pt: "
+            f"No space left on device (ENOSPC); the partial .step-00000002.tmp was removed, earlier checkpoints are kept")
+        assert sorted(p.name for p in disk.iterdir()) == ["step-00000001"]
+        assert CheckpointManager(disk).latest().step == 1

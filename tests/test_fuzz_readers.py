@@ -14,14 +14,11 @@ Derandomized, so a CI failure reproduces locally; no example database is written
 from __future__ import annotations
 
 import codecs
-import hashlib
 import json
-import math
 import os
 import random
 import re
 import tempfile
-import shutil
 import warnings
 from pathlib import Path
 
@@ -173,7 +170,8 @@ def random_mutation(rng: random.Random) -> tuple:
         "add_column": ("add_column", idx, rng.randrange(100), special),
         "copy_field": ("copy_field", idx, rng.randrange(100), rng.randrange(100)),
         "empty_field": ("empty_field", idx, rng.randrange(100)),
-        "set_field": ("set_field", idx, rng.randrange(100), rng.choice(FIELD_VALUES) if rng.random() < 0.7 else special),
+        "set_field": ("set_field", idx, rng.randrange(100),
+                      rng.choice(FIELD_VALUES) if rng.random() < 0.7 else special),
         "line": ("line", idx, rng.choice(["dup", "del", "swap", "blank", "spaces"])),
         "huge": ("huge", idx, rng.randrange(100), rng.choice([10_000, 300_000])),
         "encode": ("encode", rng.choice(ENCODINGS)),

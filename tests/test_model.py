@@ -118,8 +118,13 @@ def test_flops_formula_matches_field_notes():
     assert flops_per_sequence(large, 512) / 1e9 == pytest.approx(1005, rel=0.01)
 
 
-@pytest.mark.parametrize("h, layers, seq_len", [(32, 2, 64), (64, 1, 16), (48, 3, 96)])
-def test_flops_formula_matches_counted_matmul_flops_of_a_training_step(h, layers, seq_len):
+@pytest.mark.parametrize("h, layers, seq_len, ffn", [
+    (32, 2, 64, 4), (64, 1, 16, 4), (48, 3, 96, 4),
+    pytest.param(32, 2, 64, 2, marks=pytest.mark.xfail(
+        strict=True, reason="flops_per_sequence's 24*s*h^2 assumes intermediate_size = 4h (true of every zoo "
+                            "model); counted FLOPs are 0.75x the formula at 2h")),
+])
+def test_flops_formula_matches_counted_matmul_flops_of_a_training_step(h, layers, seq_len, ffn):
     # Count what a real forward + backward executes (torch's FlopCounterMode counts matmuls, linear
     # layers and scaled-dot-product attention, forward and backward) and compare with the formula.
     # The shapes make the attention term 4*s^2*h a large share (s/(6h) of the linear term), so a
@@ -128,7 +133,7 @@ def test_flops_formula_matches_counted_matmul_flops_of_a_training_step(h, layers
     # GELU and dropout are not matmuls and are counted by neither.
     from torch.utils.flop_counter import FlopCounterMode
     cfg = BertConfig(vocab_size=100, hidden_size=h, num_hidden_layers=layers, num_attention_heads=4,
-                     intermediate_size=4 * h, max_position_embeddings=128)
+                     intermediate_size=ffn * h, max_position_embeddings=128)
     model = BertForSequenceClassification(cfg).train()
     B = 3
     ids = torch.randint(5, 100, (B, seq_len), generator=torch.Generator().manual_seed(0))
