@@ -190,6 +190,7 @@ def test_training_run_whose_checkpoint_disk_fills_stops_with_one_line_and_keeps_
         assert "Traceback" not in r.stderr
         assert r.stderr.splitlines()[-1] == (
             f"hpcbert train: error: checkpoint of step 2 not saved: {disk / '.step-00000002.tmp'}/shared.pt: "
-            f"No space left on device (ENOSPC); the partial .step-00000002.tmp was removed, earlier checkpoints are kept")
+            "No space left on device (ENOSPC); the partial .step-00000002.tmp was removed, "
+            "earlier checkpoints are kept")
         assert sorted(p.name for p in disk.iterdir()) == ["step-00000001"]
         assert CheckpointManager(disk).latest().step == 1
