@@ -4,6 +4,7 @@
     hpcbert bench  [options]           one short time-boxed run per checkpointing policy + table
     hpcbert report RUN_DIR... [opts]   tables and an HTML report from run directories
     hpcbert submit [opts] -- [train]   render a PBS Pro / Torque / Slurm job script and submit it
+    hpcbert prepare-pretraining IN...  raw text -> sharded token arrays for masked-LM pre-training
 """
 
 from __future__ import annotations
@@ -24,6 +25,9 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] == "submit":
         from .jobs import submit
         return submit.cli(argv[1:])
+    if argv and argv[0] == "prepare-pretraining":
+        from .data import pretrain
+        return pretrain.cli(argv[1:])
 
     parser = argparse.ArgumentParser(prog="hpcbert", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -35,6 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_options(p_bench)
     sub.add_parser("report", help="tables and an HTML report from run directories (see hpcbert report --help)")
     sub.add_parser("submit", help="render a PBS Pro / Torque / Slurm job script and submit it (see hpcbert submit --help)")
+    sub.add_parser("prepare-pretraining", help="raw text -> sharded token arrays (see hpcbert prepare-pretraining --help)")
 
     ns = parser.parse_args(argv)
     try:

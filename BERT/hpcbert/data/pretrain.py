@@ -1,0 +1,607 @@
+"""Pre-training data: raw text -> sharded token arrays for masked-LM (`hpcbert prepare-pretraining`).
+
+    hpcbert prepare-pretraining INPUT... --tokenizer DIR --max-seq-length 128 --out DATA_DIR
+        [--workers N] [--eval-docs N|FRACTION] [--seed S] [--errors strict|replace] [--shard-tokens T]
+
+Inputs are files, directories (every file below, sorted by path) or globs, in two formats, chosen
+per file by its first non-blank line:
+  plain            BERT's format: one sentence or paragraph per line, a blank line between documents.
+                   WikiText heading lines (`= = Title = =`) are dropped and counted.
+  wikiextractor    `<doc id=.. url=.. title=..>` / title line / text lines / `</doc>`: the title line
+                   is dropped, title-only stubs too; blank lines inside a document separate nothing.
+
+Output DATA_DIR:
+  {split}_{k:05d}.tokens.npy   (tokens,) uint16 (vocabulary <= 65536 ids) else int32: the token ids of
+                               whole documents, concatenated, no special tokens, not truncated
+  {split}_{k:05d}.offsets.npy  (documents + 1,) int64: document j is tokens[offsets[j]:offsets[j+1]]
+  metadata.json                written last: tokenizer, counts per split, sources with sha256, the
+                               held-out document ids, dropped counts, every array file with its sha256
+A split is `train` or `eval`; the eval documents are a seeded random choice of document indices.
+Everything is deterministic: the same inputs, options and seed give byte-identical files.
+
+The corpus is read twice, one document at a time: a first pass validates it (UTF-8, format),
+hashes the sources and counts documents (so `--eval-docs N` can choose N of them); the second
+tokenises. At most one shard's worth of tokens (`--shard-tokens`) per split is held in memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import hashlib
+import json
+import math
+import multiprocessing
+import os
+import re
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+FORMAT_VERSION = 1  # bump when the layout of the files or the cleaning rules change
+METADATA = "metadata.json"
+SPLITS = ("train", "eval")
+_SHARD_RE = re.compile(r"^((train|eval)_\d{5}\.(tokens|offsets)\.npy|metadata\.json\.tmp)(\.tmp)?$")
+_HEADING_RE = re.compile(r"(=+)\s.*\s\1")  # WikiText: "= Title =", "= = Section = ="
+_DOC_OPEN_RE = re.compile(r"<doc(\s[^>]*)?>")
+_BATCH_BYTES = 1 << 20  # text per tokenisation task: large enough to amortise IPC, small to stream
+
+
+class PrepareError(ValueError):
+    """Bad input or options: one line that names the file (and byte offset) and what is accepted."""
+
+
+# --- reading -------------------------------------------------------------------------------------
+
+@dataclass
+class Source:
+    path: str
+    bytes: int = 0
+    sha256: str = ""
+    format: str = ""
+    documents: int = 0
+
+
+@dataclass
+class Dropped:
+    """What cleaning removed, in the units named (recorded in metadata.json)."""
+    title_lines: int = 0               # wikiextractor: the title line repeated after <doc ...>
+    stub_documents: int = 0            # wikiextractor: documents with nothing but their title
+    empty_documents: int = 0           # documents with no line left (all headings, or <doc></doc>)
+    heading_lines: int = 0             # plain: WikiText heading lines "= ... =" (any level)
+    replaced_bytes: int = 0            # --errors replace: invalid UTF-8 sequences replaced by U+FFFD
+    empty_after_tokenisation: int = 0  # documents whose text gives no token (index kept, not written)
+
+
+def expand_inputs(inputs: list[str]) -> list[Path]:
+    """Files, directories (every regular file below, sorted) and globs -> files, in argument order."""
+    out: list[Path] = []
+    for arg in inputs:
+        p = Path(arg)
+        if p.is_file():
+            out.append(p)
+        elif p.is_dir():
+            files = sorted(f for f in p.rglob("*") if f.is_file())
+            if not files:
+                raise PrepareError(f"input {arg}: directory holds no file")
+            out.extend(files)
+        elif glob.has_magic(arg):
+            files = sorted(Path(f) for f in glob.glob(arg, recursive=True) if Path(f).is_file())
+            if not files:
+                raise PrepareError(f"input {arg}: glob matches no file")
+            out.extend(files)
+        else:
+            raise PrepareError(f"input {arg}: no such file or directory")
+    return out
+
+
+def _decode(raw: bytes, path: Path, offset: int, errors: str, dropped: Dropped) -> str:
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        if errors == "strict":
+            raise PrepareError(
+                f"{path}: byte {offset + e.start}: not UTF-8 ({raw[e.start:e.end]!r}); "
+                "fix the file or pass --errors replace to replace and count such bytes") from None
+    text, pos = [], 0
+    while True:  # same result as errors="replace", counting each replaced sequence
+        try:
+            text.append(raw[pos:].decode("utf-8"))
+            return "".join(text)
+        except UnicodeDecodeError as e:
+            text.append(raw[pos:pos + e.start].decode("utf-8") + "\ufffd")
+            dropped.replaced_bytes += 1
+            pos += e.end
+
+
+def _lines(path: Path, errors: str, dropped: Dropped, h):
+    """(byte offset, stripped text) per line; feeds every byte to the hash `h`."""
+    offset = 0
+    with open(path, "rb") as f:
+        for raw in f:
+            h.update(raw)
+            yield offset, _decode(raw, path, offset, errors, dropped).strip()
+            offset += len(raw)
+
+
+def _sniff(path: Path) -> str:
+    with open(path, "rb") as f:
+        for raw in f:
+            if raw.strip():
+                return "wikiextractor" if _DOC_OPEN_RE.match(raw.strip().decode("utf-8", "replace")) else "plain"
+    return "plain"
+
+
+def _plain_documents(lines, dropped: Dropped):
+    doc: list[str] = []
+    had_lines = False
+    for _, s in lines:
+        if not s:
+            if doc:
+                yield "\n".join(doc)
+            elif had_lines:
+                dropped.empty_documents += 1
+            doc, had_lines = [], False
+        elif _HEADING_RE.fullmatch(s):
+            dropped.heading_lines += 1
+            had_lines = True
+        else:
+            doc.append(s)
+    if doc:
+        yield "\n".join(doc)
+    elif had_lines:
+        dropped.empty_documents += 1
+
+
+def _wiki_documents(path: Path, lines, dropped: Dropped):
+    doc: list[str] | None = None  # None: outside <doc>
+    opened_at, title_seen = 0, False
+    for offset, s in lines:
+        if doc is None:
+            if _DOC_OPEN_RE.fullmatch(s):
+                doc, opened_at, title_seen = [], offset, False
+            elif s:
+                raise PrepareError(f"{path}: byte {offset}: text outside <doc ...> ... </doc> "
+                                   f"(WikiExtractor format, chosen by the file's first line): {s[:40]!r}")
+        elif s == "</doc>":
+            if doc:
+                yield "\n".join(doc)
+            elif title_seen:
+                dropped.stub_documents += 1
+            else:
+                dropped.empty_documents += 1
+            doc = None
+        elif _DOC_OPEN_RE.fullmatch(s):
+            raise PrepareError(f"{path}: byte {offset}: <doc> inside the <doc> opened at byte {opened_at}")
+        elif s:
+            if title_seen:
+                doc.append(s)
+            else:
+                title_seen = True
+                dropped.title_lines += 1
+    if doc is not None:
+        raise PrepareError(f"{path}: <doc> opened at byte {opened_at} is not closed by </doc>")
+
+
+def iter_documents(files: list[Path], errors: str, dropped: Dropped, sources: list[Source]):
+    """Cleaned document texts (lines joined by newlines), one at a time, in file order.
+    Appends one Source per file (size, sha256, format, documents) as each file is finished."""
+    for path in files:
+        h = hashlib.sha256()
+        fmt = _sniff(path)
+        lines = _lines(path, errors, dropped, h)
+        docs = _wiki_documents(path, lines, dropped) if fmt == "wikiextractor" else _plain_documents(lines, dropped)
+        n = 0
+        for text in docs:
+            n += 1
+            yield text
+        sources.append(Source(str(path), path.stat().st_size, h.hexdigest(), fmt, n))
+
+
+# --- tokenisation ----------------------------------------------------------------------------------
+
+def tokenizer_sha256(tok) -> str:
+    """sha256 of the tokenizer's serialised form; its first 16 characters are
+    features.tokenizer_fingerprint of the same tokenizer object."""
+    return hashlib.sha256(tok.to_str().encode()).hexdigest()
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    return np.dtype(np.uint16) if vocab_size <= 65536 else np.dtype(np.int32)
+
+
+def _encode(tok, texts: list[str], dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
+    """Texts -> (all ids concatenated, (len(texts),) int64 lengths); no special tokens."""
+    enc = tok.encode_batch(texts, add_special_tokens=False)
+    lengths = np.fromiter((len(e.ids) for e in enc), dtype=np.int64, count=len(enc))
+    ids = np.concatenate([np.asarray(e.ids, dtype=dtype) for e in enc]) if enc else np.zeros(0, dtype)
+    return ids, lengths
+
+
+_worker_tok = None
+_worker_dtype = None
+
+
+def _worker_init(tok_json: str, dtype: str) -> None:
+    global _worker_tok, _worker_dtype
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # N processes, one thread each
+    from tokenizers import Tokenizer
+    _worker_tok, _worker_dtype = Tokenizer.from_str(tok_json), np.dtype(dtype)
+
+
+def _worker_encode(texts: list[str]):
+    return _encode(_worker_tok, texts, _worker_dtype)
+
+
+def _batches(docs, batch_bytes: int = _BATCH_BYTES):
+    batch, size = [], 0
+    for text in docs:
+        batch.append(text)
+        size += len(text)
+        if size >= batch_bytes:
+            yield batch
+            batch, size = [], 0
+    if batch:
+        yield batch
+
+
+def _encoded_batches(tok, docs, dtype: np.dtype, workers: int):
+    """(ids, lengths) per document batch, in input order. With workers > 1 a spawned pool
+    tokenises at most 2 * workers batches ahead (Pool.imap would read the whole corpus ahead)."""
+    if workers <= 1:
+        for batch in _batches(docs):
+            yield _encode(tok, batch, dtype)
+        return
+    ctx = multiprocessing.get_context("spawn")  # no fork of a process holding Rust/torch threads
+    with ctx.Pool(workers, initializer=_worker_init, initargs=(tok.to_str(), dtype.str)) as pool:
+        pending: collections.deque = collections.deque()
+        for batch in _batches(docs):
+            pending.append(pool.apply_async(_worker_encode, (batch,)))
+            if len(pending) >= 2 * workers:
+                yield pending.popleft().get()
+        while pending:
+            yield pending.popleft().get()
+
+
+# --- writing ---------------------------------------------------------------------------------------
+
+def _sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _save_array(out: Path, name: str, arr: np.ndarray) -> dict:
+    """Write arr as out/name via name.tmp + rename (a reader never sees a partial shard)."""
+    tmp = out / f"{name}.tmp"
+    with open(tmp, "wb") as f:
+        np.save(f, arr, allow_pickle=False)
+    os.replace(tmp, out / name)
+    return {"file": name, "dtype": arr.dtype.name, "length": int(arr.shape[0]), "sha256": _sha256_file(out / name)}
+
+
+@dataclass
+class _SplitWriter:
+    out: Path
+    split: str
+    shard_tokens: int
+    dtype: np.dtype
+    shards: list = field(default_factory=list)
+    documents: int = 0
+    tokens: int = 0
+    _ids: list = field(default_factory=list)
+    _lengths: list = field(default_factory=list)
+    _buffered: int = 0
+
+    def add(self, ids: np.ndarray) -> None:
+        self._ids.append(ids)
+        self._lengths.append(len(ids))
+        self._buffered += len(ids)
+        if self._buffered >= self.shard_tokens:
+            self.flush()
+
+    def flush(self) -> None:
+        if not self._ids:
+            return
+        name = f"{self.split}_{len(self.shards):05d}"
+        tokens = np.concatenate(self._ids).astype(self.dtype, copy=False)  # (tokens,)
+        offsets = np.zeros(len(self._lengths) + 1, dtype=np.int64)        # (documents + 1,)
+        np.cumsum(self._lengths, out=offsets[1:])
+        self.shards.append({"documents": len(self._lengths),
+                            "tokens": _save_array(self.out, f"{name}.tokens.npy", tokens),
+                            "offsets": _save_array(self.out, f"{name}.offsets.npy", offsets)})
+        self.documents += len(self._lengths)
+        self.tokens += len(tokens)
+        self._ids, self._lengths, self._buffered = [], [], 0
+
+
+def _remove_shards(out: Path) -> list[str]:
+    removed = []
+    for p in sorted(out.iterdir()):
+        if _SHARD_RE.match(p.name):
+            p.unlink()
+            removed.append(p.name)
+    return removed
+
+
+def _eval_count(spec: str, n_docs: int) -> int:
+    """--eval-docs: a document count (100), or a fraction in [0, 1) written with a point (0.01)."""
+    bad = PrepareError(f"--eval-docs {spec!r}: give a document count (100) or a fraction in [0, 1) (0.01)")
+    try:
+        if spec.isdigit():
+            n = int(spec)
+        elif 0 <= float(spec) < 1:
+            n = round(float(spec) * n_docs)
+        else:
+            raise bad
+    except ValueError:
+        raise bad from None
+    if n >= n_docs:
+        raise PrepareError(f"--eval-docs {spec}: {n} of {n_docs} documents would leave none to train on")
+    return n
+
+
+@dataclass
+class Options:
+    inputs: list[str]
+    tokenizer: str
+    max_seq_length: int
+    out: str
+    workers: int = 1
+    eval_docs: str = "0.01"
+    seed: int = 0
+    errors: str = "strict"
+    shard_tokens: int = 16 * 2**20
+
+    def __post_init__(self) -> None:
+        if self.max_seq_length < 3:
+            raise PrepareError(f"--max-seq-length {self.max_seq_length}: must be >= 3 ([CLS] x [SEP])")
+        if self.workers < 1:
+            raise PrepareError(f"--workers {self.workers}: must be >= 1")
+        if self.shard_tokens < 1:
+            raise PrepareError(f"--shard-tokens {self.shard_tokens}: must be >= 1")
+        if self.errors not in ("strict", "replace"):
+            raise PrepareError(f"--errors {self.errors!r}: accepted: strict, replace")
+
+
+def _load_checked_tokenizer(opts: Options):
+    from .features import load_tokenizer
+
+    if not Path(opts.tokenizer).exists():
+        raise PrepareError(f"--tokenizer {opts.tokenizer}: no such file or directory")
+    tok = load_tokenizer(opts.tokenizer, opts.max_seq_length)
+    missing = [t for t in ("[MASK]", "[CLS]", "[SEP]") if tok.token_to_id(t) is None]
+    if missing:
+        raise PrepareError(f"--tokenizer {opts.tokenizer}: vocabulary lacks {', '.join(missing)}; "
+                           "masked-LM pre-training needs [MASK], [CLS] and [SEP]")
+    return tok
+
+
+def prepare(opts: Options, log=None) -> dict:
+    """Prepare opts.out from opts.inputs; returns the metadata (also written to metadata.json).
+    An existing complete output for the same inputs and options is kept (metadata["up_to_date"])."""
+    log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
+    files = expand_inputs(opts.inputs)
+    tok = _load_checked_tokenizer(opts)
+    vocab_size = tok.get_vocab_size(with_added_tokens=True)
+    dtype = token_dtype(vocab_size)
+    header = {
+        "format_version": FORMAT_VERSION,
+        "tokenizer": {"path": str(opts.tokenizer), "sha256": tokenizer_sha256(tok), "vocab_size": vocab_size,
+                      "mask_id": tok.token_to_id("[MASK]"), "cls_id": tok.token_to_id("[CLS]"),
+                      "sep_id": tok.token_to_id("[SEP]"), "pad_id": tok.token_to_id("[PAD]")},
+        "max_seq_length": opts.max_seq_length,
+        "dtype": dtype.name,
+        "seed": opts.seed,
+        "eval_docs_option": opts.eval_docs,
+        "errors": opts.errors,
+        "shard_tokens": opts.shard_tokens,
+    }
+
+    # Pass 1: validate, hash, count documents.
+    dropped, sources = Dropped(), []
+    n_docs = sum(1 for _ in iter_documents(files, opts.errors, dropped, sources))
+    if n_docs == 0:
+        raise PrepareError(f"inputs {' '.join(opts.inputs)}: empty corpus, no document left after cleaning "
+                           f"({json.dumps(vars(dropped))})")
+    header["sources"] = [vars(s) for s in sources]
+
+    out = Path(opts.out)
+    meta_path = out / METADATA
+    if meta_path.is_file():
+        try:
+            old = json.loads(meta_path.read_text())
+        except (OSError, ValueError) as e:
+            raise PrepareError(f"{meta_path}: unreadable ({e}); remove it to prepare again") from None
+        same_tokenizer = {k: v for k, v in header["tokenizer"].items() if k != "path"}  # any spelling of it
+        differ = [k for k in header if k != "tokenizer" and old.get(k) != header[k]]
+        if {k: v for k, v in old.get("tokenizer", {}).items() if k != "path"} != same_tokenizer:
+            differ.insert(0, "tokenizer")
+        if differ:
+            raise PrepareError(f"{out}: holds data prepared from other inputs or options ({', '.join(differ)} "
+                               "differ); choose another --out or remove it")
+        load_prepared(out, tokenizer_sha256=header["tokenizer"]["sha256"])  # its shards still match
+        old["up_to_date"] = True
+        return old
+    out.mkdir(parents=True, exist_ok=True)
+    removed = _remove_shards(out)  # an interrupted run: no metadata, so its shards are not trusted
+    if removed:
+        log(f"prepare-pretraining: {out}: no {METADATA}, removed {len(removed)} files of an unfinished run")
+
+    n_eval = _eval_count(opts.eval_docs, n_docs)
+    rng = np.random.default_rng(opts.seed)
+    eval_ids = sorted(rng.choice(n_docs, size=n_eval, replace=False).tolist()) if n_eval else []
+    eval_set = set(eval_ids)
+
+    # Pass 2: tokenise and write shards.
+    tok.no_truncation()  # whole documents; packing into sequences is the reader's business
+    writers = {s: _SplitWriter(out, s, opts.shard_tokens, dtype) for s in SPLITS}
+    dropped2, sources2 = Dropped(), []
+    docs = iter_documents(files, opts.errors, dropped2, sources2)
+    total_bytes = sum(s.bytes for s in sources)
+    t0 = last = time.perf_counter()
+    index = 0
+    try:
+        for ids, lengths in _encoded_batches(tok, docs, dtype, opts.workers):
+            starts = np.concatenate([[0], np.cumsum(lengths)])
+            for j in range(len(lengths)):
+                if lengths[j] == 0:
+                    dropped2.empty_after_tokenisation += 1
+                else:
+                    writers["eval" if index in eval_set else "train"].add(ids[starts[j]:starts[j + 1]])
+                index += 1
+            now = time.perf_counter()
+            if now - last >= 5:
+                last = now
+                done = sum(s.bytes for s in sources2)
+                log(f"prepare-pretraining: {index:,}/{n_docs:,} documents, "
+                    f"{sum(w.tokens + w._buffered for w in writers.values()):,} tokens, "
+                    f"{done / 2**20 / (now - t0):.1f} MB/s ({100 * done / max(total_bytes, 1):.0f}% of input)")
+        for w in writers.values():
+            w.flush()
+        assert index == n_docs and [vars(s) for s in sources2] == header["sources"], "inputs changed while read"
+        if writers["train"].tokens == 0:
+            raise PrepareError(f"inputs {' '.join(opts.inputs)}: empty corpus, no token in the training "
+                               "documents after cleaning and tokenisation")
+    except BaseException:
+        _remove_shards(out)  # nothing partial stays behind
+        raise
+
+    seq_len = opts.max_seq_length - 2
+    meta = dict(header)
+    meta["expected_sequences_definition"] = (
+        f"ceil(tokens / (max_seq_length - 2)) per split: {seq_len}-token windows packed across documents, "
+        "leaving room for [CLS] and [SEP]; a rough count, the reader's packing decides the exact one")
+    meta["splits"] = {s: {"documents": w.documents, "tokens": w.tokens,
+                          "expected_sequences": math.ceil(w.tokens / seq_len), "shards": w.shards}
+                      for s, w in writers.items()}
+    meta["eval_document_ids"] = eval_ids
+    meta["eval_document_ids_definition"] = ("0-based index of the document among all documents left after "
+                                            "cleaning, in input order (sources order, then file order)")
+    meta["dropped"] = vars(dropped2)
+    tmp = out / f"{METADATA}.tmp"
+    tmp.write_text(json.dumps(meta, indent=1) + "\n")
+    os.replace(tmp, meta_path)  # last: its presence means the output is complete
+    return meta
+
+
+# --- reading prepared data -------------------------------------------------------------------------
+
+@dataclass
+class Shard:
+    tokens: np.ndarray   # (tokens,) uint16/int32, memory-mapped
+    offsets: np.ndarray  # (documents + 1,) int64
+
+    def document(self, j: int) -> np.ndarray:
+        return self.tokens[self.offsets[j]:self.offsets[j + 1]]
+
+
+@dataclass
+class Prepared:
+    metadata: dict
+    splits: dict  # split -> list[Shard]
+
+
+def _open_array(data_dir: Path, entry: dict, verify_sha256: bool) -> np.ndarray:
+    name = entry["file"]
+    path = data_dir / name
+    if not path.is_file():
+        raise ValueError(f"{path}: missing (listed in {METADATA})")
+    try:
+        arr = np.load(path, mmap_mode="r", allow_pickle=False)
+    except (ValueError, OSError) as e:
+        raise ValueError(f"{path}: not a readable .npy file, truncated or damaged ({e})") from None
+    if arr.dtype.name != entry["dtype"] or arr.ndim != 1:
+        raise ValueError(f"{path}: dtype {arr.dtype.name} shape {arr.shape}, {METADATA} says "
+                         f"{entry['dtype']} ({entry['length']},)")
+    if arr.shape[0] != entry["length"]:
+        raise ValueError(f"{path}: wrong length {arr.shape[0]}, {METADATA} says {entry['length']}")
+    if verify_sha256:
+        got = _sha256_file(path)
+        if got != entry["sha256"]:
+            raise ValueError(f"{path}: sha256 {got[:16]}... differs from {METADATA} ({entry['sha256'][:16]}...)")
+    return arr
+
+
+def load_prepared(data_dir, tokenizer_sha256: str | None = None, verify_sha256: bool = False) -> Prepared:
+    """Memory-map a prepared directory, checking every shard against metadata.json (existence,
+    dtype, length, offsets; file sha256 with verify_sha256). tokenizer_sha256 (full, or a prefix of
+    >= 16 characters such as features.tokenizer_fingerprint) must match the one it was prepared with.
+    Raises ValueError with one line naming the file and what does not match."""
+    d = Path(data_dir)
+    meta_path = d / METADATA
+    if not meta_path.is_file():
+        raise ValueError(f"{meta_path}: missing; prepare the data with hpcbert prepare-pretraining "
+                         "(an interrupted run leaves no metadata)")
+    try:
+        meta = json.loads(meta_path.read_text())
+        version = meta["format_version"]
+        recorded = meta["tokenizer"]["sha256"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{meta_path}: unreadable ({type(e).__name__}: {e})") from None
+    if version != FORMAT_VERSION:
+        raise ValueError(f"{meta_path}: format_version {version}, this hpcbert reads {FORMAT_VERSION}")
+    if tokenizer_sha256 is not None:
+        if len(tokenizer_sha256) < 16 or not recorded.startswith(tokenizer_sha256):
+            raise ValueError(f"{meta_path}: prepared with another tokenizer (sha256 {recorded[:16]}..., "
+                             f"given {tokenizer_sha256[:16]}...)")
+    splits = {}
+    for split, info in meta["splits"].items():
+        shards = []
+        for entry in info["shards"]:
+            tokens = _open_array(d, entry["tokens"], verify_sha256)
+            offsets = np.asarray(_open_array(d, entry["offsets"], verify_sha256))
+            if (len(offsets) != entry["documents"] + 1 or offsets[0] != 0 or offsets[-1] != len(tokens)
+                    or np.any(np.diff(offsets) <= 0)):
+                raise ValueError(f"{d / entry['offsets']['file']}: document offsets do not span "
+                                 f"{entry['tokens']['file']} ({len(tokens)} tokens) in increasing order")
+            shards.append(Shard(tokens, offsets))
+        splits[split] = shards
+    return Prepared(meta, splits)
+
+
+# --- command line ----------------------------------------------------------------------------------
+
+def cli(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="hpcbert prepare-pretraining", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("inputs", nargs="+", metavar="INPUT", help="text files, directories or globs")
+    p.add_argument("--tokenizer", required=True, help="directory with tokenizer.json or vocab.txt")
+    p.add_argument("--max-seq-length", type=int, required=True, help="sequence length the data is for")
+    p.add_argument("--out", required=True, help="output directory (DATA_DIR)")
+    p.add_argument("--workers", type=int, default=1, help="tokenising processes (default 1: this process)")
+    p.add_argument("--eval-docs", default="0.01",
+                   help="held-out documents: a count (1000) or a fraction (0.01, the default)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the held-out choice")
+    p.add_argument("--errors", default="strict", choices=("strict", "replace"),
+                   help="bytes that are not UTF-8: strict stops (default), replace replaces and counts them")
+    p.add_argument("--shard-tokens", type=int, default=16 * 2**20,
+                   help="tokens per shard (whole documents: a shard may exceed it by one document)")
+    ns = p.parse_args(argv)
+    try:
+        opts = Options(ns.inputs, ns.tokenizer, ns.max_seq_length, ns.out, ns.workers, ns.eval_docs,
+                       ns.seed, ns.errors, ns.shard_tokens)
+        t0 = time.perf_counter()
+        meta = prepare(opts)
+    except ValueError as e:  # PrepareError, and load_prepared's complaints about an existing output
+        if os.environ.get("HPCBERT_DEBUG"):
+            raise
+        print(f"hpcbert prepare-pretraining: error: {e}", file=sys.stderr)
+        return 2
+    sp, dr = meta["splits"], meta["dropped"]
+    what = "already prepared, nothing to do" if meta.get("up_to_date") else \
+        f"prepared in {time.perf_counter() - t0:.1f} s"
+    print(f"{ns.out}: {what}: "
+          + "; ".join(f"{s} {sp[s]['documents']:,} documents {sp[s]['tokens']:,} tokens in {len(sp[s]['shards'])} shards"
+                      for s in SPLITS)
+          + f"; dropped {dr['title_lines']:,} title lines, {dr['stub_documents']:,} stub documents, "
+            f"{dr['empty_documents']:,} empty documents, {dr['heading_lines']:,} heading lines, "
+            f"{dr['empty_after_tokenisation']:,} documents without tokens, "
+            f"{dr['replaced_bytes']:,} invalid UTF-8 sequences replaced")
+    return 0
