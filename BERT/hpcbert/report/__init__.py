@@ -25,12 +25,12 @@ from .plots import plot_dev_metric, plot_loss_curves, plot_policies, plot_scalin
 from .readme import README_COMMAND, render_results_readme
 from .renderers import (format_value, glossary, markdown_grid, markdown_table, render_csv, render_json,
                         render_markdown)
-from .tables import (COLUMN_DOCS, DESCRIPTIVE, MEASURED, MISSING, build_table, caption_text, decimals,
-                     display_columns, fixed_columns, format_cell, mean_std, policy_rank)
+from .tables import (COLUMN_DOCS, DESCRIPTIVE, MEASURED, MISSING, build_table, caption_text, column_texts,
+                     decimals, display_columns, fixed_columns, format_cell, mean_std, policy_rank)
 
 __all__ = [
     "BENCH_COLUMNS", "COLUMN_DOCS", "DESCRIPTIVE", "MEASURED", "MISSING", "README_COMMAND", "bench_report",
-    "build_table", "caption_text", "cli", "decimals", "display_columns", "find_run_dirs", "fixed_columns",
+    "build_table", "caption_text", "cli", "column_texts", "decimals", "display_columns", "find_run_dirs", "fixed_columns",
     "format_cell", "format_value", "glossary", "hardware_label", "is_run_dir", "load_runs", "main",
     "markdown_grid", "markdown_table", "mean_std", "plot_dev_metric", "plot_loss_curves", "plot_policies",
     "plot_scaling", "policy_rank", "render_csv", "render_html", "render_json", "render_markdown",

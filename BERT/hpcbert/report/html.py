@@ -10,7 +10,7 @@ import pandas as pd
 
 from .plots import plot_dev_metric, plot_loss_curves, plot_policies, plot_scaling
 from .renderers import glossary
-from .tables import build_table, caption_text, display_columns, format_cell, numeric_column
+from .tables import bare, build_table, caption_text, column_texts, display_columns, numeric_column
 
 
 _CSS = """
@@ -40,15 +40,16 @@ NUM_CLASS = ' class="num"'
 
 def _html_table(table: pd.DataFrame, number: int) -> str:
     cols = display_columns(table)
+    caption = html.escape(caption_text(table))
+    table = bare(table)
     num = [numeric_column(table, c) or pd.api.types.is_integer_dtype(table[c]) for c in cols]
     # <wbr> after '_' lets long column names wrap in the header; cells never wrap.
     head = "".join(f"<th>{html.escape(c).replace('_', '_<wbr>')}</th>" for c in cols)
     body = []
+    texts = [column_texts(table, c) for c in cols]
     for i in range(len(table)):
-        cells = "".join(f"<td{NUM_CLASS if n else ''}>{html.escape(format_cell(table, i, c))}</td>"
-                        for c, n in zip(cols, num))
+        cells = "".join(f"<td{NUM_CLASS if n else ''}>{html.escape(text[i])}</td>" for text, n in zip(texts, num))
         body.append(f"<tr>{cells}</tr>")
-    caption = html.escape(caption_text(table))
     return (f'<figure class="table"><figcaption><b>Table {number}.</b> {caption}</figcaption>'
             f'<div class="scroll"><table><thead><tr>{head}</tr></thead><tbody>'
             + "\n".join(body) + "</tbody></table></div></figure>\n")

@@ -15,7 +15,7 @@ from typing import Any, Sequence
 
 import pandas as pd
 
-from .tables import (COLUMN_DOCS, DESCRIPTIVE, MISSING, caption_text, display_columns, format_cell,
+from .tables import (COLUMN_DOCS, DESCRIPTIVE, MISSING, bare, caption_text, column_texts, display_columns,
                      numeric_column)
 
 
@@ -45,8 +45,10 @@ def markdown_grid(header: Sequence[str], rows: Sequence[Sequence[str]],
 def markdown_table(table: pd.DataFrame) -> str:
     """The human-facing columns of a report table (display_columns) as a Markdown table."""
     cols = display_columns(table)
+    table = bare(table)
     right = [numeric_column(table, c) or pd.api.types.is_integer_dtype(table[c]) for c in cols]
-    return markdown_grid(cols, [[format_cell(table, i, c) for c in cols] for i in range(len(table))], right)
+    texts = [column_texts(table, c) for c in cols]
+    return markdown_grid(cols, [list(row) for row in zip(*texts)], right)
 
 
 def _skipped_md(skipped: Sequence[tuple[str, str]]) -> str:
@@ -88,7 +90,9 @@ def jsonable(v: Any) -> Any:
 def render_json(table: pd.DataFrame, skipped: Sequence[tuple[str, str]] = ()) -> str:
     """{"caption": str, "rows": [{column: value}] with every column, "skipped": [{"run", "reason"}]};
     NaN is null."""
-    rows = [{c: jsonable(table[c].iloc[i]) for c in table.columns} for i in range(len(table))]
+    plain = bare(table)
+    columns = {c: plain[c].tolist() for c in plain.columns}
+    rows = [{c: jsonable(v[i]) for c, v in columns.items()} for i in range(len(table))]
     doc = {"caption": caption_text(table), "rows": rows,
            "skipped": [{"run": run, "reason": reason} for run, reason in skipped]}
     return json.dumps(doc, indent=2, allow_nan=False) + "\n"

@@ -2,7 +2,7 @@
 
     build_table(runs, baseline)  -> pandas.DataFrame, caption lines in .attrs["caption"]
     display_columns(table)       -> the columns a human-facing table shows (Markdown, HTML)
-    format_cell(table, i, col)   -> how one cell reads there
+    column_texts(table, col)     -> how the cells of a column read there
 
 Runs that differ only in their seed are one row (mean and sample std). Columns whose value is the
 same in every row are settings of the whole table: the caption states them and the Markdown and
@@ -317,6 +317,7 @@ def build_table(runs: Sequence[dict], baseline: dict | Sequence[dict] | None = N
     table = pd.DataFrame(rows, columns=columns)
     if table["per_device_batch"].map(type).nunique() > 1:  # mixed ints and 'a/b' texts
         table["per_device_batch"] = table["per_device_batch"].astype(str)
+    table.attrs["fixed"] = fixed_columns(table)
     table.attrs["caption"] = _caption(runs, groups, table, base, base_seq, base_ws, scaling, policy_columns)
     return table
 
@@ -336,11 +337,12 @@ def fixed_columns(table: pd.DataFrame) -> list[str]:
     """Columns that read the same in every row, which the caption states instead of the table:
     settings (DESCRIPTIVE) always, figures only where there are several rows (a one-row table still
     shows its figures) or where no row has one. `run` names the rows and is never fixed."""
+    table = bare(table)
     out = []
     for col in table.columns:
         if col == "run" or (col.endswith("_std") and col[:-4] in table.columns):
             continue
-        texts = {format_cell(table, i, col) for i in range(len(table))}
+        texts = set(column_texts(table, col))
         if len(texts) == 1 and (col in DESCRIPTIVE or len(table) > 1 or texts == {MISSING}):
             out.append(col)
     return out
@@ -378,7 +380,7 @@ def _method_text(sums: Sequence[dict]) -> str:
     """How throughput was measured, without the per-run step range (the timed-steps line names
     those) and in the report's words: 'untimed first steps', never 'warm-up', which the training
     log uses for the learning-rate schedule."""
-    texts = [re.sub(r" of steps \d+\.\.\d+ \(first \d+ excluded as warm-?up\)", " of the timed steps",
+    texts = [re.sub(r" of steps \d+\.\.\d+( \((the )?first \d+ excluded[^)]*\))?", " of the timed steps",
                     str(s["throughput_method"])) for s in sums]
     method = re.sub(r"(?i)\bwarm-?up\b", "untimed first steps", merge_texts(texts))
     return method if method.endswith(".") else method + "."
@@ -390,10 +392,11 @@ def _caption(runs: Sequence[dict], groups: Sequence[Sequence[dict]], table: pd.D
     """Sentences: what is fixed across the rows (every column the Markdown table leaves out), which
     steps were timed per row and how, what ± means."""
     sums = [r["summary"] for r in runs]
-    fixed = fixed_columns(table)
+    fixed = table.attrs["fixed"]
+    plain = bare(table)
     settings, same, absent = [], [], []
     for col in fixed:
-        text = format_cell(table, 0, col)
+        text = column_texts(plain, col)[0]
         if col not in DESCRIPTIVE:
             (absent if text == MISSING else same).append(col if text == MISSING else f"{col} {text}")
             continue
@@ -477,7 +480,8 @@ def _fmt(v: float, decimals: int) -> str:
 def display_columns(table: pd.DataFrame) -> list[str]:
     """Columns shown in Markdown and HTML: the std columns are folded into 'mean ± std', and the
     columns that read the same in every row are left to the caption (fixed_columns)."""
-    fixed = set(fixed_columns(table))
+    # build_table records them (working them out reads every column, which pandas makes slow).
+    fixed = set(table.attrs["fixed"]) if "fixed" in table.attrs else set(fixed_columns(table))
     return [c for c in table.columns
             if not (c.endswith("_std") and c[:-4] in table.columns) and c not in fixed]
 
@@ -487,18 +491,35 @@ def numeric_column(table: pd.DataFrame, col: str) -> bool:
         pd.api.types.is_float_dtype(table[col]) and col not in DESCRIPTIVE)
 
 
-def format_cell(table: pd.DataFrame, i: int, col: str) -> str:
-    """How one cell reads in Markdown and HTML (fixed decimals per column; no locale)."""
-    v = table[col].iloc[i]
+def bare(table: pd.DataFrame) -> pd.DataFrame:
+    """The table without its attrs (a shallow copy): pandas deep-copies attrs into every column it
+    hands out, which makes reading a table column by column slow."""
+    out = table.copy(deep=False)
+    out.attrs = {}
+    return out
+
+
+def column_texts(table: pd.DataFrame, col: str) -> list[str]:
+    """How the cells of one column read in Markdown and HTML (fixed decimals per column, 'mean ±
+    std' where a row has several seeds; no locale), top to bottom."""
+    values = table[col].tolist()
     if numeric_column(table, col):
         d = decimals(col)
-        text = _fmt(v, d)
         std_col = f"{col}_std"
-        if std_col in table.columns and table["seeds"].iloc[i] > 1 and not math.isnan(table[std_col].iloc[i]):
-            text += f" ± {_fmt(table[std_col].iloc[i], d)}"
-        return text
-    if isinstance(v, (bool, np.bool_)):
-        return "yes" if v else "no"
-    if v is None or (isinstance(v, float) and math.isnan(v)):
-        return MISSING
-    return " ".join(str(v).split())  # one line: a table row is one line
+        stds = table[std_col].tolist() if std_col in table.columns else [math.nan] * len(values)
+        return [_fmt(v, d) + (f" ± {_fmt(s, d)}" if n > 1 and not math.isnan(s) else "")
+                for v, s, n in zip(values, stds, table["seeds"].tolist())]
+    out = []
+    for v in values:
+        if isinstance(v, bool):
+            out.append("yes" if v else "no")
+        elif v is None or (isinstance(v, float) and math.isnan(v)):
+            out.append(MISSING)
+        else:
+            out.append(" ".join(str(v).split()))  # one line: a table row is one line
+    return out
+
+
+def format_cell(table: pd.DataFrame, i: int, col: str) -> str:
+    """How one cell reads in Markdown and HTML (column_texts of its column)."""
+    return column_texts(table, col)[i]
