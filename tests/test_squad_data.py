@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -150,8 +149,8 @@ def _tiny_tokenizer(texts):
     from tokenizers import Tokenizer, normalizers, pre_tokenizers, processors
     from tokenizers.models import WordPiece
 
-    words = sorted({w for t in texts for w in pre_tokenizers.BertPreTokenizer().pre_tokenize_str(t.lower())
-                    for w in [w[0]]})
+    pre = pre_tokenizers.BertPreTokenizer()
+    words = sorted({w for t in texts for w, _ in pre.pre_tokenize_str(t.lower())})
     vocab = {t: i for i, t in enumerate(["[PAD]", "[UNK]", "[CLS]", "[SEP]"] + words)}
     tok = Tokenizer(WordPiece(vocab, unk_token="[UNK]"))
     tok.normalizer = normalizers.BertNormalizer(lowercase=True)
