@@ -131,7 +131,10 @@ TWO_RANKS = textwrap.dedent("""
     import hpcbert.checkpoint as c
     rank, failing = int(sys.argv[1]), sys.argv[3]
     dist.init_process_group("gloo", init_method="file://" + sys.argv[2] + "/store", rank=rank, world_size=2)
-    mgr = c.CheckpointManager(sys.argv[2] + "/ck", keep_last=2, rank=rank, world_size=2, barrier=dist.barrier)
+    from hpcbert.dist import Dist, all_gather_objects
+    d = Dist(rank, 2, rank, 2, torch.device("cpu"), "gloo")
+    mgr = c.CheckpointManager(sys.argv[2] + "/ck", keep_last=2, rank=rank, world_size=2, barrier=dist.barrier,
+                              gather=lambda item: all_gather_objects(d, item))
     mgr.save(1, {"w": torch.ones(4)}, {"rank": rank})
     real_write = c._write
     def write(path, obj):  # the disk fills up under one rank's file

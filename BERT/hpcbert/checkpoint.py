@@ -94,11 +94,15 @@ class CheckpointManager:
     `barrier` is the process group's barrier (a no-op for one process)."""
 
     def __init__(self, root: str | os.PathLike, keep_last: int = 2, rank: int = 0, world_size: int = 1,
-                 barrier: Callable[[], None] = lambda: None):
+                 barrier: Callable[[], None] = lambda: None, gather: Callable[[Any], list] | None = None):
         if keep_last < 2:
             raise ValueError(f"keep_last: must be >= 2 (a newest checkpoint may be damaged), got {keep_last}")
         self.root, self.keep_last = Path(root), keep_last
         self.rank, self.world_size, self.barrier = rank, world_size, barrier
+        if gather is None and world_size > 1:
+            raise ValueError("CheckpointManager: several ranks need `gather` (every rank's item, in rank order), "
+                             "e.g. lambda x: hpcbert.dist.all_gather_objects(d, x)")
+        self.gather = gather or (lambda item: [item])  # the collectives are dist.py's, passed in
 
     def _tmp(self, step: int) -> Path:
         return self.root / f".step-{step:08d}.tmp"
@@ -120,7 +124,7 @@ class CheckpointManager:
         if error is None:  # the other ranks learn of a failed mkdir from their own write failing
             written, error = _attempt(tmp / name, lambda: _write(tmp / name, per_rank))
         size, digest = written or (None, None)
-        sizes = _gather(self, (name, size, digest, error))
+        sizes = self.gather((name, size, digest, error))
         errors = [e for *_, e in sizes if e is not None]
         if self.rank == 0:
             if not errors:
@@ -128,7 +132,7 @@ class CheckpointManager:
                 errors = [error] if error else []
             if errors:
                 shutil.rmtree(tmp, ignore_errors=True)
-        errors = _gather(self, errors)[0]  # rank 0's verdict, on every rank
+        errors = self.gather(errors)[0]  # rank 0's verdict, on every rank
         if errors:
             raise CheckpointError(f"checkpoint of step {step} not saved: {errors[0]}; the partial "
                                   f"{tmp.name} was removed, earlier checkpoints are kept")
@@ -256,13 +260,3 @@ def _manifest_problem(manifest: Any, dirname: str) -> str | None:
                 and isinstance(meta.get("sha256"), str) and _SHA256.match(meta["sha256"])):
             return f"entry for {name} is {meta!r:.200}, expected {{'bytes': <int>, 'sha256': <64 hex digits>}}"
     return None
-
-
-def _gather(mgr: CheckpointManager, item: Any) -> list[Any]:
-    if mgr.world_size == 1:
-        return [item]
-    import torch.distributed as dist
-
-    out: list = [None] * mgr.world_size
-    dist.all_gather_object(out, item)
-    return out

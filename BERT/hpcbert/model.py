@@ -236,14 +236,16 @@ class BertForSequenceClassification(nn.Module):
 
 
 def flops_per_sequence(c: BertConfig, seq_len: int) -> float:
-    """Training FLOPs of the encoder for one sequence: 3 * L * (24*s*h^2 + 4*s^2*h).
+    """Training FLOPs of the encoder for one sequence: 3 * L * (8*s*h^2 + 4*s*h*I + 4*s^2*h),
+    which is the familiar 3 * L * (24*s*h^2 + 4*s^2*h) when the feed-forward width I is 4h.
 
-    Forward = 2 FLOPs per multiply-add over 12*h^2 weights per token (QKV, output, 2 FFN at 4h)
-    plus attention scores and values (2 * 2*s*h per token); backward = 2x forward. Source: the
-    Megatron-LM paper (Narayanan et al. 2021, eq. 2) without the LM head; cited in FIELD_NOTES.
+    Forward = 2 FLOPs per multiply-add: Q, K, V and output projections (4 h x h), the two
+    feed-forward matmuls (2 h x I), and attention scores and values (2 * 2*s*h per token);
+    backward = 2x forward. Source: the Megatron-LM paper (Narayanan et al. 2021, eq. 2) without
+    the LM head, with I kept apart; cited in FIELD_NOTES.
     """
-    L, h, s = c.num_hidden_layers, c.hidden_size, seq_len
-    return 3.0 * L * (24.0 * s * h * h + 4.0 * s * s * h)
+    L, h, s, i = c.num_hidden_layers, c.hidden_size, seq_len, c.intermediate_size
+    return 3.0 * L * (8.0 * s * h * h + 4.0 * s * h * i + 4.0 * s * s * h)
 
 
 # --- loading Hugging Face-format checkpoints ------------------------------------------------------

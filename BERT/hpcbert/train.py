@@ -147,7 +147,7 @@ class Trainer:
         self.cfg = cfg = cfg.replace(out=str(self.run_dir))
         # ... and the checkpoint to resume from, checked (sha256 once, on rank 0) before anything is loaded.
         self.ckman = CheckpointManager(self.run_dir / "checkpoints", cfg.keep_last, d.rank, d.world_size,
-                                       lambda: dist.barrier(d))
+                                       lambda: dist.barrier(d), lambda item: dist.all_gather_objects(d, item))
         self.resume_from: Checkpoint | None = dist.decide(d, self._find_checkpoint)
 
         self.train_set, self.dev = self._load_data()
