@@ -283,7 +283,7 @@ def _bad_runs(root: Path) -> dict[str, list[str]]:
     """Broken run dirs under root; name -> what the skip reason must say."""
     (root / "notarun").mkdir(parents=True)
     (root / "notarun" / "notes.txt").write_text("hello")
-    make_run(root, "oldschema", schema_version=2)
+    make_run(root, "oldschema", schema_version=9)
     bad = make_run(root, "badjson")
     (bad / "summary.json").write_text('{"schema_version": 1, "run": ')
     missing = make_run(root, "nokey")
@@ -301,7 +301,7 @@ def _bad_runs(root: Path) -> dict[str, list[str]]:
     make_run(root, "strnum", mfu="high")
     return {
         "notarun": ["not an hpcbert run"],
-        "oldschema": ["schema_version 2", "not supported"],
+        "oldschema": ["schema_version 9", "not supported"],
         "badjson": ["summary.json", "not valid JSON"],
         "nokey": ["missing key(s) steady_sequences_per_sec"],
         "nometric": ["missing metric 'accuracy'", "dev: f1"],
@@ -533,3 +533,18 @@ def test_policy_step_time_is_compared_on_the_same_batches(tmp_path):
     none_only = [dirs[0], other]
     t2 = _parse_md_table(report.bench_report(none_only, tmp_path / "c.html")).set_index("run")
     assert t2.loc["c-alternate", "step_time_vs_none"] == f"{3.0 / float(np.median([none_time(k) for k in range(3, 21)])):.2f}"
+
+
+def test_a_version_1_summary_reads_with_the_keys_added_since_as_null(tmp_path):
+    from hpcbert.runfiles import ADDED_IN, read_summary
+    run = make_run(tmp_path, "v1")
+    s = json.loads((run / "summary.json").read_text())
+    for k in ADDED_IN[2]:
+        del s[k]
+    write_json(run / "summary.json", {**s, "schema_version": 1})
+    back = read_summary(run)
+    assert all(back[k] is None for k in ADDED_IN[2]) and back["steps"] == s["steps"]
+    del s["steps"]
+    write_json(run / "summary.json", {**s, "schema_version": 1})
+    with pytest.raises(ValueError, match="missing key.s. steps"):
+        read_summary(run)

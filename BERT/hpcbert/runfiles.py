@@ -16,7 +16,9 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+# Keys each schema version added; a summary of an older version reads with them as null (not measured).
+ADDED_IN = {2: ("tf32", "lr_horizon_steps", "lr_horizon_source", "nonfinite_grad_steps")}
 
 # summary.json keys and their meaning (units in the name where there is one). A figure that cannot
 # be measured on a device is null, never zero.
@@ -195,13 +197,14 @@ def read_summary(run_dir: str | os.PathLike) -> dict[str, Any]:
         raise RunDirError(f"{run_dir}: not an hpcbert run (no summary.json)")
     summary = read_json_object(path)
     version = summary.get("schema_version")
-    if version != SCHEMA_VERSION or isinstance(version, bool):
+    if not isinstance(version, int) or isinstance(version, bool) or not 1 <= version <= SCHEMA_VERSION:
         raise RunDirError(f"{path}: schema_version {short_repr(version)} is not supported "
-                          f"(this hpcbert reads version {SCHEMA_VERSION})")
-    missing = [k for k in SUMMARY_KEYS if k not in summary]
+                          f"(this hpcbert reads versions 1 to {SCHEMA_VERSION})")
+    newer = {k for v, keys in ADDED_IN.items() if v > version for k in keys}
+    missing = [k for k in SUMMARY_KEYS if k not in summary and k not in newer]
     if missing:
         raise RunDirError(f"{path}: missing key(s) {', '.join(missing)}")
-    return summary
+    return {**{k: None for k in newer}, **summary}
 
 
 def read_metrics(run_dir: str | os.PathLike, required: tuple[str, ...] = ()) -> list[dict[str, Any]]:
