@@ -214,22 +214,21 @@ def _missing_message(who: str, rank: int, missing: str, timeout_s: float, where:
 
 def all_gather_ints(d: Dist, value: int) -> list[int]:
     """Every rank's `value`, in rank order (one small collective)."""
-    if not d.active:
-        return [int(value)]
-    t = torch.zeros(d.world_size, dtype=torch.int64, device=d.device)
-    t[d.rank] = int(value)
-    dist.all_reduce(t)
-    return [int(x) for x in t.tolist()]
+    return [int(x) for x in _all_gather_number(d, int(value), torch.int64)]
 
 
 def all_gather_floats(d: Dist, value: float) -> list[float]:
     """Every rank's `value`, in rank order (one small collective)."""
+    return [float(x) for x in _all_gather_number(d, float(value), torch.float64)]
+
+
+def _all_gather_number(d: Dist, value: int | float, dtype: torch.dtype) -> list:
     if not d.active:
-        return [float(value)]
-    t = torch.zeros(d.world_size, dtype=torch.float64, device=d.device)
-    t[d.rank] = float(value)
-    dist.all_reduce(t)
-    return [float(x) for x in t.tolist()]
+        return [value]
+    t = torch.zeros(d.world_size, dtype=dtype, device=d.device)
+    t[d.rank] = value
+    dist.all_reduce(t)  # every other rank's slot is 0: the sum is the gather
+    return t.tolist()
 
 
 def all_gather_objects(d: Dist, obj: Any) -> list[Any]:
