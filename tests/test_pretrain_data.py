@@ -159,7 +159,8 @@ def test_wikiextractor_titles_stubs_and_directory_input(tmp_path, tok_dir, refer
     assert meta["splits"]["eval"] == {"documents": 0, "tokens": 0, "expected_sequences": 0, "shards": []}
 
 
-def test_same_input_same_bytes_any_workers_and_split_by_seed(tmp_path, tok_dir):
+def test_same_input_same_bytes_any_workers_and_split_by_seed(tmp_path, tok_dir, monkeypatch):
+    monkeypatch.setattr(pretrain, "_BATCH_BYTES", 200)  # many batches in flight: their order must hold
     src = tmp_path / "c.txt"
     src.write_text("\n\n".join(f"Document number {i} says {'hello ' * (i % 7 + 1)}there." for i in range(60)))
     common = ["--eval-docs", "0.1", "--shard-tokens", "100"]

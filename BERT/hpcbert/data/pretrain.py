@@ -237,8 +237,8 @@ def _worker_encode(texts: list[str]):
     return _encode(_worker_tok, texts, _worker_dtype)
 
 
-def _batches(docs, batch_bytes: int = _BATCH_BYTES):
-    batch, size = [], 0
+def _batches(docs):
+    batch, size, batch_bytes = [], 0, _BATCH_BYTES
     for text in docs:
         batch.append(text)
         size += len(text)
@@ -250,13 +250,15 @@ def _batches(docs, batch_bytes: int = _BATCH_BYTES):
 
 
 def _encoded_batches(tok, docs, dtype: np.dtype, workers: int):
-    """(ids, lengths) per document batch, in input order. With workers > 1 a spawned pool
+    """(ids, lengths) per document batch, in input order. With workers > 1 a process pool
     tokenises at most 2 * workers batches ahead (Pool.imap would read the whole corpus ahead)."""
     if workers <= 1:
         for batch in _batches(docs):
             yield _encode(tok, batch, dtype)
         return
-    ctx = multiprocessing.get_context("spawn")  # no fork of a process holding Rust/torch threads
+    # fork: spawn and forkserver re-import __main__ (the hpcbert script: torch) in every worker, seconds
+    # each. Safe here: this process has not run the tokenizer (no Rust thread pool to inherit).
+    ctx = multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn")
     with ctx.Pool(workers, initializer=_worker_init, initargs=(tok.to_str(), dtype.str)) as pool:
         pending: collections.deque = collections.deque()
         for batch in _batches(docs):
