@@ -232,7 +232,8 @@ def test_bad_inputs_one_line_exit_2(tmp_path, tok_dir, capsys):
     wiki = tmp_path / "w.txt"
     wiki.write_text('<doc id="1">\nT\n\nText.\n</doc>\nstray text\n')
     assert run(tmp_path, [wiki], "o6", tok=tok_dir) == 2
-    assert error_of(capsys).startswith(f"hpcbert prepare-pretraining: error: {wiki}: byte 29: text outside <doc")  # 13+2+1+6+7
+    msg = error_of(capsys)  # byte 29 = 13 + 2 + 1 + 6 + 7, the lines before "stray text"
+    assert msg.startswith(f"hpcbert prepare-pretraining: error: {wiki}: byte 29: text outside <doc")
     wiki.write_text('<doc id="1">\nT\n\nText.\n')
     assert run(tmp_path, [wiki], "o6", tok=tok_dir) == 2
     assert error_of(capsys).endswith(f"{wiki}: <doc> opened at byte 0 is not closed by </doc>")

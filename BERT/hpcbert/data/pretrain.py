@@ -591,7 +591,7 @@ def cli(argv: list[str]) -> int:
                        ns.seed, ns.errors, ns.shard_tokens)
         t0 = time.perf_counter()
         meta = prepare(opts)
-    except ValueError as e:  # PrepareError, and load_prepared's complaints about an existing output
+    except (ValueError, OSError) as e:  # PrepareError, load_prepared's complaints, an unwritable --out
         if os.environ.get("HPCBERT_DEBUG"):
             raise
         print(f"hpcbert prepare-pretraining: error: {e}", file=sys.stderr)
@@ -600,8 +600,8 @@ def cli(argv: list[str]) -> int:
     what = "already prepared, nothing to do" if meta.get("up_to_date") else \
         f"prepared in {time.perf_counter() - t0:.1f} s"
     print(f"{ns.out}: {what}: "
-          + "; ".join(f"{s} {sp[s]['documents']:,} documents {sp[s]['tokens']:,} tokens in {len(sp[s]['shards'])} shards"
-                      for s in SPLITS)
+          + "; ".join(f"{s} {sp[s]['documents']:,} documents {sp[s]['tokens']:,} tokens "
+                      f"in {len(sp[s]['shards'])} shards" for s in SPLITS)
           + f"; dropped {dr['title_lines']:,} title lines, {dr['stub_documents']:,} stub documents, "
             f"{dr['empty_documents']:,} empty documents, {dr['heading_lines']:,} heading lines, "
             f"{dr['empty_after_tokenisation']:,} documents without tokens, "
