@@ -14,7 +14,6 @@ import os
 import sys
 
 from . import config
-from .dist import StartupError
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -42,6 +41,8 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("prepare-pretraining", help="raw text -> sharded token arrays (see hpcbert prepare-pretraining --help)")
 
     ns = parser.parse_args(argv)
+    from .dist import StartupError  # torch is imported here, not for report / submit / prepare-pretraining
+
     try:
         if ns.command == "train":
             from .train import train
