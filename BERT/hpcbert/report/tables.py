@@ -318,7 +318,8 @@ def build_table(runs: Sequence[dict], baseline: dict | Sequence[dict] | None = N
     if table["per_device_batch"].map(type).nunique() > 1:  # mixed ints and 'a/b' texts
         table["per_device_batch"] = table["per_device_batch"].astype(str)
     table.attrs["fixed"] = fixed_columns(table)
-    table.attrs["caption"] = _caption(runs, groups, table, base, base_seq, base_ws, scaling, policy_columns)
+    table.attrs["caption"] = _caption(runs, groups, table, _Reference(base, base_seq, base_ws, scaling),
+                                      policy_columns)
     return table
 
 
@@ -386,8 +387,16 @@ def _method_text(sums: Sequence[dict]) -> str:
     return method if method.endswith(".") else method + "."
 
 
-def _caption(runs: Sequence[dict], groups: Sequence[Sequence[dict]], table: pd.DataFrame,
-             base: list[dict], base_seq: float, base_ws: float, scaling: bool,
+@dataclasses.dataclass(frozen=True)
+class _Reference:
+    """The baseline the speed-up columns divide by."""
+    runs: list[dict]
+    seq_per_s: float
+    world_size: float
+    scaling: bool   # world sizes differ: a scaling-efficiency column too
+
+
+def _caption(runs: Sequence[dict], groups: Sequence[Sequence[dict]], table: pd.DataFrame, ref: "_Reference",
              policy_columns: bool) -> list[str]:
     """Sentences: what is fixed across the rows (every column the Markdown table leaves out), which
     steps were timed per row and how, what ± means."""
@@ -428,11 +437,11 @@ def _caption(runs: Sequence[dict], groups: Sequence[Sequence[dict]], table: pd.D
     if int(table["seeds"].max()) > 1:
         lines.append("Runs that differ only in seed are one row: mean ± sample std (ddof=1) over "
                      "`seeds` runs.")
-    if base:
-        names = ", ".join(sorted(b["label"] for b in base))
-        lines.append(f"speedup = seq_per_s / {base_seq:.1f} seq/s of baseline {names} (world size "
-                     f"{base_ws})" + (f"; scaling_eff = speedup / (world_size / {base_ws}), where "
-                                      f"world sizes differ." if scaling else "."))
+    if ref.runs:
+        names = ", ".join(sorted(b["label"] for b in ref.runs))
+        lines.append(f"speedup = seq_per_s / {ref.seq_per_s:.1f} seq/s of baseline {names} (world size "
+                     f"{ref.world_size})" + (f"; scaling_eff = speedup / (world_size / {ref.world_size}), where "
+                                      f"world sizes differ." if ref.scaling else "."))
     if policy_columns:
         lines.append("act_vs_none, step_time_vs_none: ratio to grad_ckpt none with otherwise equal "
                      "settings (step time: same batch and world size; where both runs logged the same timed "
