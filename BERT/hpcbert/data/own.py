@@ -60,6 +60,19 @@ def _text(path: Path) -> str:
     return text
 
 
+def _show(v, limit: int = 40) -> str:
+    """A user's value in a one-line message: quoted (no raw newline), cut to `limit` characters."""
+    v = str(v)
+    return repr(v[:limit]) + ("..." if len(v) > limit else "")
+
+
+def _names(names) -> str:
+    """Column or label names for a one-line message: as written, odd ones (newlines, long) quoted and cut."""
+    names = [str(n) for n in names]
+    shown = [n if n.isprintable() and len(n) <= 40 else _show(n) for n in names[:20]]
+    return ", ".join(shown) + (f", ... ({len(names)} in all)" if len(names) > 20 else "")
+
+
 def _rows(path: Path, fmt: str):
     """Yield (line, {field: value}) for every record, checking widths against the header."""
     text = _text(path)
@@ -74,6 +87,9 @@ def _rows(path: Path, fmt: str):
                 obj = json.loads(raw)
             except json.JSONDecodeError as e:
                 raise ValueError(f"{path}:{n}: malformed JSON at column {e.colno}: {e.msg}") from None
+            except (ValueError, RecursionError) as e:  # an integer of over 4300 digits; nesting deeper than the stack
+                raise ValueError(f"{path}:{n}: unreadable JSON ({str(e).split(':')[0]}); "
+                                 "expected one JSON object per line") from None
             if not isinstance(obj, dict):
                 raise ValueError(f"{path}:{n}: expected a JSON object ({{\"field\": value, ...}}), "
                                  f"got {type(obj).__name__}")
@@ -91,11 +107,11 @@ def _rows(path: Path, fmt: str):
                 header = row
                 dup = sorted({h for h in header if header.count(h) > 1})
                 if dup:
-                    raise ValueError(f"{path}:{line}: header repeats column {dup[0]!r}; names must be unique")
+                    raise ValueError(f"{path}:{line}: header repeats column {_show(dup[0])}; names must be unique")
                 continue
             if len(row) != len(header):
                 raise ValueError(f"{path}:{line}: {len(row)} fields, the header has {len(header)} "
-                                 f"({', '.join(header)})")
+                                 f"({_names(header)})")
             yield line, dict(zip(header, row))
     except csv.Error as e:
         raise ValueError(f"{path}:{reader.line_num}: {e}") from None
@@ -105,7 +121,7 @@ def _rows(path: Path, fmt: str):
 
 def _field(path: Path, line: int, row: dict, name: str, what: str):
     if name not in row:
-        raise ValueError(f"{path}:{line}: {name}: no such column; the columns are {', '.join(map(str, row))}")
+        raise ValueError(f"{path}:{line}: {name}: no such column; the columns are {_names(row)}")
     v = row[name]
     if isinstance(v, bool) or not isinstance(v, (str, int, float)) or v is None:
         raise ValueError(f"{path}:{line}: {name}: expected {what}, got {json.dumps(v)[:40]}")
@@ -117,10 +133,11 @@ def _label_key(v) -> str:
 
 
 def _sorted_labels(keys) -> tuple[str, ...]:
-    # Integer labels sort by value ("2" before "10"); anything else sorts as text.
+    # Integer labels sort by value ("2" before "10"); anything else sorts as text. Equal values
+    # ("1", "01") sort as text: by set order the class indices would change with PYTHONHASHSEED.
     keys = set(keys)
     if all(re.fullmatch(r"[+-]?\d+", k) for k in keys):
-        return tuple(sorted(keys, key=int))
+        return tuple(sorted(keys, key=lambda k: (int(k), k)))
     return tuple(sorted(keys))
 
 
@@ -169,12 +186,15 @@ def read_classification(path: str | os.PathLike, text_fields: str | Sequence[str
         if regression:
             if isinstance(v, str):
                 if not _DECIMAL.fullmatch(v.strip()):
-                    raise ValueError(f"{p}:{line}: {label_field}: {v!r} is not a number; regression labels "
+                    raise ValueError(f"{p}:{line}: {label_field}: {_show(v)} is not a number; regression labels "
                                      "are decimal numbers such as 3.5")
                 v = float(v)
-            if not math.isfinite(v):
-                raise ValueError(f"{p}:{line}: {label_field}: {v!r}; expected a finite number")
-            label = float(v)
+            try:
+                label = float(v)
+            except OverflowError:  # a JSON integer beyond the float range
+                label = math.inf
+            if not math.isfinite(label):
+                raise ValueError(f"{p}:{line}: {label_field}: {str(v)[:40]}; expected a finite number")
         else:
             label = _label_key(v)
             if not label:
@@ -188,8 +208,8 @@ def read_classification(path: str | os.PathLike, text_fields: str | Sequence[str
         index = {n: i for i, n in enumerate(names)}
         for _, label, line in rows:
             if label not in index:
-                raise ValueError(f"{p}:{line}: {label_field}: label {label!r} is not in the training "
-                                 f"label set ({', '.join(names)})")
+                raise ValueError(f"{p}:{line}: {label_field}: label {_show(label)} is not in the training "
+                                 f"label set ({_names(names)})")
         rows = [(t, index[lab], line) for t, lab, line in rows]
     examples = [Example(t[0], t[1] if len(t) == 2 else None, lab, line) for t, lab, line in rows]
     return OwnData(examples, names)

@@ -124,15 +124,18 @@ def _lines(path: Path, errors: str, dropped: Dropped, h):
     with open(path, "rb") as f:
         for raw in f:
             h.update(raw)
-            yield offset, _decode(raw, path, offset, errors, dropped).strip()
+            text = _decode(raw, path, offset, errors, dropped)
+            yield offset, (text.removeprefix("\ufeff") if offset == 0 else text).strip()  # a BOM is no text
             offset += len(raw)
 
 
 def _sniff(path: Path) -> str:
     with open(path, "rb") as f:
-        for raw in f:
-            if raw.strip():
-                return "wikiextractor" if _DOC_OPEN_RE.match(raw.strip().decode("utf-8", "replace")) else "plain"
+        for i, raw in enumerate(f):
+            s = raw.decode("utf-8", "replace")
+            s = (s.removeprefix("\ufeff") if i == 0 else s).strip()  # blank as _lines sees it
+            if s:
+                return "wikiextractor" if _DOC_OPEN_RE.match(s) else "plain"
     return "plain"
 
 

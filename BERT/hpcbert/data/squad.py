@@ -65,6 +65,8 @@ def read_squad(path: str | os.PathLike) -> tuple[str, list[SquadExample]]:
         raise ValueError(f"{p}: byte {e.start}: not UTF-8 (SQuAD files are UTF-8 JSON)") from None
     except json.JSONDecodeError as e:
         raise ValueError(f"{p}:{e.lineno}:{e.colno}: malformed JSON: {e.msg}") from None
+    except (ValueError, RecursionError) as e:  # an integer of over 4300 digits; nesting deeper than the stack
+        raise ValueError(f"{p}: unreadable JSON ({str(e).split(':')[0]}); expected a SQuAD JSON file") from None
     data = _get(doc, "data", list, "(top level)", p, "a list of articles")
     declared = doc.get("version")
     if declared is not None and not isinstance(declared, str):
