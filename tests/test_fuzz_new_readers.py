@@ -40,7 +40,11 @@ FUZZ = settings(max_examples=10_000, deadline=None, derandomize=True, database=N
 
 
 class Bad(Exception):
-    """The oracle's verdict: the file is not valid, the reader must reject it."""
+    """The oracle's verdict: the file is not valid, the reader must reject it (naming `line`, when
+    the oracle knows the first bad one)."""
+
+    def __init__(self, line: int | None = None):
+        self.line = line
 
 
 @pytest.fixture
@@ -70,14 +74,14 @@ ENCODINGS = ["latin-1", "utf-16", "utf-16-le", "utf-16-be", "utf-8-sig", "cp1252
 
 
 def byte_mutation(rng: random.Random) -> tuple:
-    kind = rng.choice(["flip", "truncate", "delete", "insert", "insert", "encode", "crlf", "trailing", "huge"])
+    kind = rng.choice(["flip", "truncate", "delete", "insert", "insert", "encode", "crlf", "trailing", "huge", "bom"])
     pos = rng.randrange(1 << 20)
     special = rng.choice(SPECIAL) if rng.random() < 0.8 else rng.randbytes(rng.randrange(1, 7))
     return {"flip": ("flip", pos, rng.randrange(1, 256)), "truncate": ("truncate", pos),
             "delete": ("delete", pos, rng.randrange(1, 41)), "insert": ("insert", pos, special),
             "encode": ("encode", rng.choice(ENCODINGS)), "crlf": ("crlf",),
             "trailing": ("trailing", rng.choice([b"\n", b"\n\n", b"\r\n \n", b"\n\t\n", b""])),
-            "huge": ("insert", pos, b"x" * rng.choice([10_000, 200_000]))}[kind]
+            "huge": ("insert", pos, b"x" * rng.choice([10_000, 200_000])), "bom": ("insert", 0, codecs.BOM_UTF8)}[kind]
 
 
 def apply_bytes(data: bytes, m: tuple) -> bytes:
@@ -392,18 +396,19 @@ OWN_BASES = own_bases()
 DECIMAL = re.compile(r"[+-]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][+-]?\d+)?\Z")  # 3, 3.5, .5, 5., 1e3; no nan/inf
 
 
-def own_records(data: bytes, fmt: str) -> list[tuple[int, dict]]:
-    """(line, {column: value}) per record, or Bad: UTF-8 (one BOM allowed), no NUL; CSV as the csv
-    module reads it, TSV as lines (\\n, \\r\\n or \\r) of tab-separated fields without quoting,
-    JSON Lines as one JSON object per \\n-ended line; a header naming unique columns; every row
-    as wide as the header; a field longer than the csv module's limit is an error."""
+def own_records(data: bytes, fmt: str):
+    """Yield (line, {column: value}) per record, in file order; Bad(first bad line) where the file
+    stops being valid. UTF-8 (one BOM allowed), no NUL; CSV as the csv module reads it, TSV as
+    lines (ending \\n, \\r\\n or \\r) of tab-separated fields without quoting, JSON Lines as one
+    JSON object per \\n-ended line; a header naming unique columns; every row as wide as the
+    header; a field longer than the csv module's limit is an error. Lines count from 1."""
+    body = data.removeprefix(codecs.BOM_UTF8)
     try:
-        text = data.decode("utf-8").removeprefix("\ufeff")
-    except UnicodeDecodeError:
-        raise Bad() from None
+        text = body.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise Bad(body[:e.start].count(b"\n") + 1) from None
     if "\x00" in text:
-        raise Bad()
-    records = []
+        raise Bad(text[:text.index("\x00")].count("\n") + 1)
     if fmt == "jsonl":
         lines = text.split("\n")
         if lines[-1] == "":
@@ -412,38 +417,45 @@ def own_records(data: bytes, fmt: str) -> list[tuple[int, dict]]:
             try:
                 obj = json.loads(line)
             except (ValueError, RecursionError):
-                raise Bad() from None
+                raise Bad(n) from None
             if not isinstance(obj, dict):
-                raise Bad()
-            records.append((n, obj))
-        return records
+                raise Bad(n)
+            yield n, obj
+        return
+    limit = csv.field_size_limit()
     if fmt == "tsv":
         pieces = re.split(r"\r\n|\r|\n", text)
         if pieces[-1] == "":
             pieces.pop()
-        rows = [(n, p.split("\t") if p else []) for n, p in enumerate(pieces, 1)]  # csv: an empty line is []
+        rows = ((n, p.split("\t") if p else []) for n, p in enumerate(pieces, 1))  # csv: an empty line is []
     else:
-        reader = csv.reader(io.StringIO(text, newline=""))
-        rows, line = [], 1
-        try:
-            for row in reader:
-                rows.append((line, row))
-                line = reader.line_num + 1
-        except csv.Error:
-            raise Bad() from None
-    if not rows:
-        raise Bad()
-    limit = csv.field_size_limit()
-    if any(len(f) > limit for _, row in rows for f in row):
-        raise Bad()
-    header = rows[0][1]
-    if len(set(header)) != len(header):
-        raise Bad()
-    for n, row in rows[1:]:
-        if len(row) != len(header):
-            raise Bad()
-        records.append((n, dict(zip(header, row))))
-    return records
+        rows = csv_rows(text)
+    header = None
+    for n, row in rows:
+        if any(len(f) > limit for f in row):
+            raise Bad(n)
+        if header is None:
+            header = row
+            if len(set(header)) != len(header):
+                raise Bad(n)
+        elif len(row) != len(header):
+            raise Bad(n)
+        else:
+            yield n, dict(zip(header, row))
+    if header is None:
+        raise Bad(1)
+
+
+def csv_rows(text: str):
+    """(first line, fields) per CSV record, as the csv module reads them; Bad(line) on its errors."""
+    reader = csv.reader(io.StringIO(text, newline=""))
+    line = 1
+    try:
+        for row in reader:
+            yield line, row
+            line = reader.line_num + 1
+    except csv.Error:
+        raise Bad(reader.line_num) from None
 
 
 def own_oracle(data: bytes, fmt: str, text_fields: list[str], label_field: str, regression: bool):
@@ -457,30 +469,30 @@ def own_oracle(data: bytes, fmt: str, text_fields: list[str], label_field: str, 
         for name in text_fields:
             t = rec.get(name)
             if not isinstance(t, str) or not t.strip():
-                raise Bad()
+                raise Bad(line)
             texts.append(t)
         v = rec.get(label_field)
         if isinstance(v, bool) or not isinstance(v, (str, int, float)):
-            raise Bad()
+            raise Bad(line)
         if regression:
             if isinstance(v, str):
                 if not DECIMAL.match(v.strip()):
-                    raise Bad()
+                    raise Bad(line)
                 v = float(v)
             try:
                 v = float(v)
             except OverflowError:  # a JSON integer beyond the float range
-                raise Bad() from None
+                raise Bad(line) from None
             if v != v or v in (float("inf"), float("-inf")):
-                raise Bad()
+                raise Bad(line)
             label = v
         else:
             label = repr(v) if isinstance(v, float) else str(v).strip()
             if not label:
-                raise Bad()
+                raise Bad(line)
         rows.append((texts, label, line))
     if not rows:
-        raise Bad()
+        raise Bad()  # named without a line
     names = None
     if not regression:
         keys = {r[1] for r in rows}
@@ -543,10 +555,12 @@ def test_fuzzed_own_files_are_read_exactly_or_rejected_in_one_line(scratch):
         path.write_bytes(data)
         try:
             labels, expected = own_oracle(data, fmt, text_fields, label_field, regression)
-        except Bad:
+        except Bad as bad:
             with pytest.raises(ValueError) as e:
                 read_classification(path, text_fields, label_field, regression=regression)
             assert_one_line_error(e.value, path, mutations)
+            where = f"{path}:{bad.line}: " if bad.line else f"{path}: "
+            assert str(e.value).startswith(where), (str(e.value)[:300], where, mutations)
             outcomes["rejected"] += 1
         else:
             got = read_classification(path, text_fields, label_field, regression=regression)
@@ -770,3 +784,13 @@ def test_pretraining_bom_and_unicode_blank_first_line(tmp_path, content, docs):
     path = tmp_path / "c.txt"
     path.write_bytes(content.encode("utf-8"))
     assert read_documents(path) == docs
+
+
+def test_own_bad_byte_after_a_bom_names_its_line_and_byte(tmp_path):
+    # Found by the fuzz: with a BOM, the offset of the bad byte was counted from after it, so the
+    # message named the wrong line and showed the wrong byte ("line 1: byte 0x0a").
+    path = tmp_path / "a.csv"
+    path.write_bytes(codecs.BOM_UTF8 + b"text,label\nhi,1\nh\xe9,0\n")
+    with pytest.raises(ValueError) as e:
+        read_classification(path, "text", "label")
+    assert str(e.value) == f"{path}:3: byte 0xe9 is not UTF-8; save the file as UTF-8"

@@ -48,9 +48,11 @@ def _fmt(path: Path, fmt: str | None) -> str:
 
 
 def _text(path: Path) -> str:
-    data = path.read_bytes()
+    # A BOM from spreadsheet exports is not part of the header. Removed before decoding, so that
+    # e.start below indexes `data` (utf-8-sig counts it from after the BOM).
+    data = path.read_bytes().removeprefix(b"\xef\xbb\xbf")
     try:
-        text = data.decode("utf-8-sig")  # a BOM from spreadsheet exports is not part of the header
+        text = data.decode("utf-8")
     except UnicodeDecodeError as e:
         line = data[:e.start].count(b"\n") + 1
         raise ValueError(f"{path}:{line}: byte {data[e.start]:#04x} is not UTF-8; save the file as UTF-8") from None
