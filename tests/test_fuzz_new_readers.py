@@ -43,8 +43,8 @@ class Bad(Exception):
     """The oracle's verdict: the file is not valid, the reader must reject it (naming `line`, when
     the oracle knows the first bad one)."""
 
-    def __init__(self, line: int | None = None):
-        self.line = line
+    def __init__(self, line: int | None = None, where: str | None = None):
+        self.line, self.where = line, where
 
 
 @pytest.fixture
@@ -619,41 +619,55 @@ def pretrain_oracle(data: bytes) -> list[str]:
     documents, heading lines are dropped, a document left with no line is dropped. WikiExtractor:
     every non-blank line outside a document is a <doc ...> tag line; a document ends at </doc>;
     its first non-blank line is its title (dropped); no <doc> inside a document; a document with
-    no text line is dropped; every document closed."""
-    try:
-        text = data.decode("utf-8").removeprefix("\ufeff")
-    except UnicodeDecodeError:
-        raise Bad() from None
-    lines = [line.strip() for line in text.split("\n")]
-    first = next((s for s in lines if s), "")
+    no text line is dropped; every document closed.
+
+    Bad(where=) gives what the error must start with: "byte N: " for the first byte that is not
+    UTF-8 or the start of the first misplaced line (the file is read line by line, so whichever
+    comes first), "<doc> opened at byte N " for a document never closed."""
+    raw_lines, offsets, at = data.split(b"\n"), [], 0
+    for raw in raw_lines:
+        offsets.append(at)
+        at += len(raw) + 1
+
+    def line_text(i: int, errors: str = "strict") -> str:
+        try:
+            s = raw_lines[i].decode("utf-8", errors)
+        except UnicodeDecodeError as e:
+            raise Bad(where=f"byte {offsets[i] + e.start}: ") from None
+        return (s.removeprefix("\ufeff") if i == 0 else s).strip()
+
+    # The format is told before any line is read, so a bad byte there cannot decide it: replaced.
+    first = next((s for s in (line_text(i, "replace") for i in range(len(raw_lines))) if s), "")
     docs, doc = [], []
     if not _starts_with_doc_tag(first):
-        for s in lines + [""]:
+        for i in range(len(raw_lines) + 1):
+            s = line_text(i) if i < len(raw_lines) else ""
             if s and not _heading(s):
                 doc.append(s)
             elif not s and doc:
                 docs.append("\n".join(doc))
                 doc = []
         return docs
-    inside, title = False, False
-    for s in lines:
+    inside, title, opened = False, False, 0
+    for i in range(len(raw_lines)):
+        s = line_text(i)
         if not inside:
             if _doc_tag(s):
-                inside, title, doc = True, False, []
+                inside, title, doc, opened = True, False, [], offsets[i]
             elif s:
-                raise Bad()
+                raise Bad(where=f"byte {offsets[i]}: ")
         elif s == "</doc>":
             if doc:
                 docs.append("\n".join(doc))
             inside = False
         elif _doc_tag(s):
-            raise Bad()
+            raise Bad(where=f"byte {offsets[i]}: ")
         elif s and not title:
             title = True
         elif s:
             doc.append(s)
     if inside:
-        raise Bad()
+        raise Bad(where=f"<doc> opened at byte {opened} ")
     return docs
 
 
@@ -691,10 +705,11 @@ def test_fuzzed_pretraining_text_is_read_exactly_or_rejected_in_one_line(scratch
         path.write_bytes(data)
         try:
             expected = pretrain_oracle(data)
-        except Bad:
+        except Bad as bad:
             with pytest.raises(ValueError) as e:
                 read_documents(path)
             assert_one_line_error(e.value, path, mutations)
+            assert str(e.value).startswith(f"{path}: {bad.where}"), (str(e.value)[:300], bad.where, mutations)
             outcomes["rejected"] += 1
         else:
             assert read_documents(path) == expected, mutations
