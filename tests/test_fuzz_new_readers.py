@@ -168,14 +168,15 @@ SENTINELS = {'"NEST"': lambda r: "[" * r + "]" * r, '"BIGINT"': lambda r: "9" * 
              '"HUGEINT"': lambda r: "9" * 5000, '"NAN"': lambda r: "NaN", '"LONE"': lambda r: '"\\ud800"'}
 
 
-def _nodes(obj, path=()):
-    yield path
-    if isinstance(obj, dict):
-        for k, v in obj.items():
-            yield from _nodes(v, path + (k,))
-    elif isinstance(obj, list):
-        for i, v in enumerate(obj):
-            yield from _nodes(v, path + (i,))
+def _nodes(obj) -> list[tuple]:
+    """The path (keys and indices from the root) of every node, parents before children."""
+    out, stack = [], [((), obj)]
+    while stack:
+        path, node = stack.pop()
+        out.append(path)
+        items = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()
+        stack.extend((path + (k,), v) for k, v in items)
+    return out
 
 
 def json_mutation(rng: random.Random) -> tuple:
@@ -188,7 +189,7 @@ def apply_json(obj, m: tuple):
     """Edit a deep copy of obj at a node chosen by m; returns the new root."""
     _, pick, op, value, delta, depth = m
     obj = json.loads(json.dumps(obj))
-    paths = list(_nodes(obj))
+    paths = _nodes(obj)
     path = paths[pick % len(paths)]
     if not path:
         return value if op == "set" else obj
@@ -216,7 +217,8 @@ def apply_json(obj, m: tuple):
 
 
 def dump_json(obj, rng_bits: int, depth: int) -> bytes:
-    text = json.dumps(obj, ensure_ascii=bool(rng_bits & 1), indent=1 if rng_bits & 2 else None)
+    # indent: one in four (json's pure-Python encoder, slow), so malformed JSON is also seen on many lines
+    text = json.dumps(obj, ensure_ascii=bool(rng_bits & 1), indent=1 if rng_bits & 6 == 6 else None)
     for token, make in SENTINELS.items():
         text = text.replace(token, make(depth))
     return text.encode("utf-8", errors="surrogatepass")
@@ -335,9 +337,10 @@ def test_fuzzed_squad_files_are_read_exactly_or_rejected_in_one_line(scratch):
     path = scratch / "squad.json"
 
     @FUZZ
-    @given(base=st.sampled_from(SQUAD_BASES), seed=st.integers(0, 2**64 - 1), count=st.integers(1, 3))
-    def check(base, seed, count):
+    @given(seed=st.integers(0, 2**64 - 1))  # one draw: Hypothesis' own cost per example stays small
+    def check(seed):
         rng = random.Random(seed)
+        base, count = rng.choice(SQUAD_BASES), rng.randint(1, 3)
         mutations = [json_mutation(rng) for _ in range(count)]  # on the parsed document, then serialised
         mutations += [byte_mutation(rng) for _ in range(rng.random() < 0.35)]  # and maybe one on its bytes
         obj = base
@@ -478,7 +481,7 @@ def own_oracle(data: bytes, fmt: str, text_fields: list[str], label_field: str, 
             if isinstance(v, str):
                 if not DECIMAL.match(v.strip()):
                     raise Bad(line)
-                v = float(v)
+                v = float(v.strip())
             try:
                 v = float(v)
             except OverflowError:  # a JSON integer beyond the float range
@@ -523,11 +526,12 @@ def test_fuzzed_own_files_are_read_exactly_or_rejected_in_one_line(scratch):
     outcomes = {"read": 0, "rejected": 0}
 
     @FUZZ
-    @given(base=st.sampled_from(OWN_BASES), seed=st.integers(0, 2**64 - 1), count=st.integers(1, 3))
-    def check(base, seed, count):
+    @given(seed=st.integers(0, 2**64 - 1))  # one draw: Hypothesis' own cost per example stays small
+    def check(seed):
+        rng = random.Random(seed)
+        base, count = rng.choice(OWN_BASES), rng.randint(1, 3)
         name, data, text_fields, label_field, regression = base
         fmt = name.rsplit(".", 1)[1]
-        rng = random.Random(seed)
         mutations = []
         for _ in range(count):
             r = rng.random()
@@ -694,9 +698,10 @@ def test_fuzzed_pretraining_text_is_read_exactly_or_rejected_in_one_line(scratch
     path = scratch / "corpus.txt"
 
     @FUZZ
-    @given(base=st.sampled_from(PRETRAIN_BASES), seed=st.integers(0, 2**64 - 1), count=st.integers(1, 3))
-    def check(base, seed, count):
+    @given(seed=st.integers(0, 2**64 - 1))  # one draw: Hypothesis' own cost per example stays small
+    def check(seed):
         rng = random.Random(seed)
+        base, count = rng.choice(PRETRAIN_BASES), rng.randint(1, 3)
         mutations, data = [], base
         for _ in range(count):
             m = line_mutation(rng, None) if rng.random() < 0.4 else byte_mutation(rng)
@@ -809,3 +814,11 @@ def test_own_bad_byte_after_a_bom_names_its_line_and_byte(tmp_path):
     with pytest.raises(ValueError) as e:
         read_classification(path, "text", "label")
     assert str(e.value) == f"{path}:3: byte 0xe9 is not UTF-8; save the file as UTF-8"
+
+
+def test_own_regression_label_with_unicode_whitespace_reads(tmp_path):
+    # Found by the fuzz: "0.25\x1c" passed the decimal check after strip() but float() of the
+    # untrimmed text raised a ValueError that named no file.
+    path = tmp_path / "a.tsv"
+    path.write_bytes("text\tscore\nhi\t0.25\x1c\nho\t\u20031.5\u2003\n".encode("utf-8"))
+    assert [e.label for e in read_classification(path, "text", "score", regression=True).examples] == [0.25, 1.5]

@@ -190,7 +190,7 @@ def read_classification(path: str | os.PathLike, text_fields: str | Sequence[str
                 if not _DECIMAL.fullmatch(v.strip()):
                     raise ValueError(f"{p}:{line}: {label_field}: {_show(v)} is not a number; regression labels "
                                      "are decimal numbers such as 3.5")
-                v = float(v)
+                v = float(v.strip())  # float() trims fewer characters than str.strip (not \x1c-\x1f)
             try:
                 label = float(v)
             except OverflowError:  # a JSON integer beyond the float range
