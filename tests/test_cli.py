@@ -156,6 +156,8 @@ def test_bench_runs_one_time_boxed_run_per_policy_and_prints_the_table(tmp_path)
     assert {"none", "all"} <= set(rows) and "act_vs_none" in rows["run"]
     assert (out / "report.html").stat().st_size > 10_000
     assert read_summary(out / "all")["activation_bytes_per_sequence"] < read_summary(out / "none")["activation_bytes_per_sequence"]
+    # One CPU peak, measured by the bench before its runs, divides every run's FLOP/s (MFU).
+    assert len({read_summary(out / p)["peak_flops"] for p in ("none", "all")}) == 1
 
 
 def test_synthetic_task_is_learnable(tmp_path):

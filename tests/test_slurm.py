@@ -182,9 +182,9 @@ def test_the_same_script_submitted_again_without_out_continues_the_run(slurm_clu
     (--exclusive), and its one worker every core of it."""
     train = ["--model", "bert-tiny", "--task", "synthetic", "--max-steps", "100000", "--batch-size", "32",
              "--log-every", "5", "--checkpoint-steps", "1000", "--no-do-eval"]
-    # Deadline 40 s after the job starts: start-up took 20 s on this 2-core machine under load.
+    # Deadline 30 s after the job starts (start-up takes about 5 s on a quiet 2-core machine).
     first = submit(["--scheduler", "slurm", "--nodes", "1", "--gpus-per-node", "0", "--walltime", "00:01:00",
-                    "--stop-margin", "20", "--job-name", "resume-me", "--out-script", "job.sbatch", "--", *train],
+                    "--stop-margin", "30", "--job-name", "resume-me", "--out-script", "job.sbatch", "--", *train],
                    job_env, tmp_path)
     info = slurm_cluster.wait(first, timeout=120)
     assert (info["JobState"], info["ExitCode"]) == ("COMPLETED", "0:0"), job_output(tmp_path)
@@ -222,9 +222,9 @@ def test_walltime_stop_then_resubmit_finishes_equal_to_an_uninterrupted_run(slur
     """A 1-minute walltime job that needs longer stops itself at the job deadline (walltime - margin)
     with a complete checkpoint and exit 0; submitting the same command again resumes and finishes; the
     result equals an uninterrupted run of the same options (every loss, the final parameters)."""
-    # Enough steps that one job cannot finish them before its deadline (about 15 s of training) on a
-    # fast CPU (0.14 s/step seen) nor take many jobs on a slow one (0.3 s/step: 4 jobs).
-    n_steps = 160
+    # Enough steps that one job cannot finish them before its deadline (about 13 s of training: 93
+    # steps at the fastest 0.14 s/step seen) nor take many jobs on a slow one (0.3 s/step: 3 jobs).
+    n_steps = 125
     train = ["--model", "bert-tiny", "--task", "synthetic", "--max-steps", str(n_steps), "--batch-size", "32",
              "--threads", "1", "--log-every", "1", "--checkpoint-steps", "25", "--no-do-eval"]
     run_dir = tmp_path / "run"

@@ -124,10 +124,10 @@ def test_lr_schedule_warmup_then_linear_decay_and_refit():
 
 
 def test_a_time_boxed_run_decays_to_zero_inside_its_box(tmp_path):
-    # Planned: 3 epochs of 4096 examples (1536 steps); the 30 s box (start-up included) holds far fewer.
+    # Planned: 3 epochs of 4096 examples (1536 steps); the 20 s box (start-up included) holds far fewer.
     out = tmp_path / "run"
     r = cli("train", "--model", "bert-tiny", "--task", "synthetic", "--batch-size", 8, "--epochs", 3,
-            "--time-budget", "30s", "--lr-horizon", "time-budget", "--log-every", 1, "--threads", 1,
+            "--time-budget", "20s", "--lr-horizon", "time-budget", "--log-every", 1, "--threads", 1,
             "--precision", "fp32", "--synthetic-dev-size", 16, "--out", out)
     assert r.returncode == 0, r.stderr[-2000:]
     s = read_summary(out)
@@ -195,18 +195,6 @@ def test_cpu_peak_is_measured_once_per_machine_and_only_moves_up(monkeypatch, tm
     assert json.loads((tmp_path / "peak_flops.json").read_text())  # one file, readable
 
 
-def test_bench_runs_share_one_peak(tmp_path):
-    env = run_env()
-    env["HPCBERT_CACHE"] = str(tmp_path / "cache")
-    r = subprocess.run([sys.executable, "-m", "hpcbert.cli", "bench", "--model", "bert-tiny", "--max-steps", "3",
-                        "--batch-size", "4", "--synthetic-dev-size", "8", "--policies", "none,all", "--out",
-                        str(tmp_path / "b"), "--precision", "fp32", "--time-budget", "60s"],
-                       env=env, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-2000:]
-    peaks = {read_summary(tmp_path / "b" / p)["peak_flops"] for p in ("none", "all")}
-    assert len(peaks) == 1
-
-
 def test_probe_catches_the_cuda_oom_class_that_torch_2_3_has(monkeypatch):
     # torch 2.3 (allowed by pyproject) has torch.cuda.OutOfMemoryError but no torch.OutOfMemoryError.
     model = torch.nn.Linear(2, 2)
@@ -249,13 +237,10 @@ def test_a_failed_start_leaves_no_run_directory(tmp_path, args, words):
 
 
 def test_a_checkpoint_error_is_one_line_naming_the_file(tmp_path):
-    out = tmp_path / "run"
-    r = cli("train", "--model", "bert-tiny", "--max-steps", 2, "--checkpoint-steps", 1, "--synthetic-dev-size", 8,
-            "--threads", 1, "--out", out)
-    assert r.returncode == 0, r.stderr[-2000:]
-    ck = out / "checkpoints" / "step-00000002"
+    from hpcbert.checkpoint import CheckpointManager
+    ck = CheckpointManager(tmp_path / "run" / "checkpoints").save(2, {"model": {"w": torch.ones(1000)}}, {})
     (ck / "shared.pt").write_bytes(b"damaged")
-    r = cli("train", "--model", "bert-tiny", "--max-steps", 4, "--resume", ck, "--out", out)
+    r = cli("train", "--model", "bert-tiny", "--max-steps", 4, "--resume", ck, "--out", tmp_path / "run")
     assert r.returncode == 2 and "Traceback" not in r.stderr
     err = [line for line in r.stderr.splitlines() if "error" in line]
     assert len(err) == 1 and f"{ck / 'shared.pt'}: 7 bytes, manifest says" in err[0]
