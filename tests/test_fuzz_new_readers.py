@@ -28,6 +28,8 @@ import tempfile
 from pathlib import Path
 
 import pytest
+
+from fuzz_bytes import apply_bytes
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -86,31 +88,6 @@ def byte_mutation(rng: random.Random) -> tuple:
             "huge": ("insert", pos, b"x" * rng.choice([10_000, 200_000])), "bom": ("insert", 0, codecs.BOM_UTF8)}[kind]
 
 
-def apply_bytes(data: bytes, m: tuple) -> bytes:
-    kind, *args = m
-    n = len(data)
-    if kind == "flip":
-        if not n:
-            return data
-        i = args[0] % n
-        return data[:i] + bytes([data[i] ^ args[1]]) + data[i + 1:]
-    if kind == "truncate":
-        return data[: args[0] % (n + 1)]
-    if kind == "delete":
-        i = args[0] % (n + 1)
-        return data[:i] + data[i + args[1]:]
-    if kind == "insert":
-        i = args[0] % (n + 1)
-        return data[:i] + args[1] + data[i:]
-    if kind == "encode":
-        try:
-            return data.decode("utf-8-sig").encode(args[0], errors="replace")
-        except UnicodeDecodeError:
-            return data
-    if kind == "crlf":
-        return data.replace(b"\r\n", b"\n").replace(b"\n", b"\r\n")
-    assert kind == "trailing", m
-    return data + args[0]
 
 
 def line_mutation(rng: random.Random, sep: bytes | None) -> tuple:

@@ -24,6 +24,8 @@ from pathlib import Path
 
 import glue_fixtures as fx
 import pytest
+
+from fuzz_bytes import BYTE_KINDS, apply_bytes
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -182,29 +184,8 @@ def random_mutation(rng: random.Random) -> tuple:
 
 def mutate(data: bytes, m: tuple) -> bytes:
     kind, *args = m
-    n = len(data)
-    if kind == "flip":
-        if not n:
-            return data
-        i = args[0] % n
-        return data[:i] + bytes([data[i] ^ args[1]]) + data[i + 1:]
-    if kind == "truncate":
-        return data[: args[0] % (n + 1)]
-    if kind == "delete":
-        i = args[0] % (n + 1)
-        return data[:i] + data[i + args[1]:]
-    if kind == "insert":
-        i = args[0] % (n + 1)
-        return data[:i] + args[1] + data[i:]
-    if kind == "encode":
-        try:
-            return data.decode("utf-8-sig").encode(args[0], errors="replace")
-        except UnicodeDecodeError:
-            return data
-    if kind == "crlf":
-        return data.replace(b"\r\n", b"\n").replace(b"\n", b"\r\n")
-    if kind == "trailing":
-        return data + args[0]
+    if kind in BYTE_KINDS:
+        return apply_bytes(data, m)
     lines = data.split(b"\n")
     i = args[0] % len(lines)
     fields = lines[i].split(b"\t")
