@@ -308,10 +308,17 @@ def test_glue_and_synthetic_objectives_implement_the_protocol():
         assert isinstance(obj, SequenceClassification) and obj.name == task
         model = obj.build_model(BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
                                            intermediate_size=64, vocab_size=100))
-        batch = obj.example_batch(3, 10, 100)
+        batch, norm = obj.example_batch(3, 10, 100)
+        assert norm == {"examples": 3.0} == obj.norm(None, np.arange(3), epoch=0)
         out = obj.forward(model, batch)
         assert out.shape == (3, labels)
-        assert obj.loss_sum(model, out, batch).ndim == 0 and obj.predict(out, batch).shape == (3,)
+        loss = obj.loss(model, out, batch, norm)
+        preds = obj.predict(out, batch)
+        assert loss.ndim == 0 and preds["pred"].shape == (3,)
+        # The per-example loss terms the evaluation averages are the training loss's terms.
+        assert float(np.mean(preds["loss"])) == pytest.approx(float(loss), rel=1e-6)
+        if labels > 1:
+            assert obj.hf_config()["id2label"] == {str(i): name for i, name in enumerate(obj.spec.labels)}
     with pytest.raises(ValueError, match="mrpx"):
         objectives.get(RunConfig(task="mrpx", data_dir="x"))
 

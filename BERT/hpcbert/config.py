@@ -22,6 +22,9 @@ OPTIMIZERS = ("adamw", "lamb")
 SAMPLERS = ("random", "length-grouped", "sequential")
 LR_SCALINGS = ("none", "linear", "sqrt")
 LR_HORIZONS = ("steps", "time-budget")
+LR_DECAYS = ("linear", "poly")
+FILE_FORMATS = ("csv", "tsv", "jsonl")
+SQUAD_VERSIONS = ("auto", "1.1", "2.0")
 
 
 def parse_duration(text: str | float | int | None, what: str = "duration") -> float | None:
@@ -91,9 +94,23 @@ class RunConfig:
 
     # --- what to train ---
     task: str = "synthetic"
-    """GLUE task (cola, sst-2, mrpc, sts-b, qqp, mnli, qnli, rte, wnli) or 'synthetic' (no files needed)."""
+    """What to train: a GLUE task (cola, sst-2, mrpc, sts-b, qqp, mnli, qnli, rte, wnli), squad (--train-file/--dev-file), classify (your own CSV/TSV/JSONL files), mlm (masked-LM pre-training on the output of hpcbert prepare-pretraining) or synthetic (no files needed)."""
     data_dir: str | None = None
-    """GLUE directory (same layout as GLUE_DIR: one sub-folder per task). Required for GLUE tasks."""
+    """GLUE tasks: the GLUE directory (the GLUE_DIR layout: one sub-folder per task). mlm: the prepared pre-training data (hpcbert prepare-pretraining --out)."""
+    train_file: str | None = None
+    """squad: a SQuAD JSON file (v1.1, or v2.0 with is_impossible). classify: a CSV, TSV or JSON Lines file with a header (one object per line for JSONL)."""
+    dev_file: str | None = None
+    """squad / classify: the evaluation file, in the training file's format."""
+    test_file: str | None = None
+    """classify: a file to predict (labels not needed); the predictions are written to RUN_DIR/predictions.tsv."""
+    text_fields: str | None = None
+    """classify: the text column, or two comma-separated columns for sentence pairs ('question,sentence')."""
+    label_field: str = "label"
+    """classify: the label column."""
+    format: str | None = None
+    """classify: csv, tsv or jsonl (default: from the file extension: .csv, .tsv, .jsonl / .ndjson)."""
+    regression: bool = False
+    """classify: the labels are numbers (one output, MSE loss, Pearson and Spearman) instead of classes."""
     model: str = "minilm-l6"
     """Named model (minilm-l6 pretrained; bert-tiny, bert-base, bert-large random init) or a Hugging Face-format directory."""
     tokenizer: str | None = None
@@ -122,6 +139,10 @@ class RunConfig:
     """Decoupled weight decay (not applied to biases and LayerNorm weights)."""
     warmup_ratio: float = 0.1
     """Fraction of optimizer steps of linear warm-up, followed by linear decay to zero."""
+    lr_decay: str = "linear"
+    """After warm-up: linear decay to zero, or poly ((1 - progress) ** --poly-power, as BERT's LAMB pre-training)."""
+    poly_power: float = 1.0
+    """Power of --lr-decay poly (1.0 is linear; NVIDIA's BERT pre-training uses 0.5)."""
     lr_horizon: str = "steps"
     """Where the linear LR decay reaches zero: steps (the planned --epochs / --max-steps) or time-budget (the last step predicted to fit in --time-budget, from the step time measured over the first steps; recorded in the summary). A run cut by its time box should use time-budget, or it is evaluated near its peak LR."""
     max_grad_norm: float = 1.0
@@ -144,6 +165,36 @@ class RunConfig:
     """torch.compile the model."""
     dropout: float | None = None
     """Override the model's dropout probabilities (hidden and attention)."""
+    init_from: str | None = None
+    """Start from the model weights of an earlier run: its run directory (its final weights, else its newest complete checkpoint) or one checkpoint directory. Weights only: optimizer, LR schedule and step start afresh (pre-training phase 2 from phase 1; fine-tuning from pre-training). Not --resume."""
+
+    # --- SQuAD ---
+    doc_stride: int = 128
+    """squad: tokens between the starts of consecutive windows over a long context."""
+    max_query_length: int = 64
+    """squad: question tokens kept (longer questions are truncated)."""
+    n_best_size: int = 20
+    """squad: start and end candidates per window, and answers kept per question in nbest_predictions.json."""
+    max_answer_length: int = 30
+    """squad: longest answer span predicted, in tokens."""
+    null_score_diff_threshold: float = 0.0
+    """squad v2.0: predict no answer when the null score beats the best span by more than this."""
+    squad_version: str = "auto"
+    """squad: 1.1, 2.0 or auto (the version of --train-file); a 1.1 run given a 2.0 file is refused, naming the file."""
+
+    # --- masked-LM pre-training ---
+    mask_prob: float = 0.15
+    """mlm: fraction of tokens selected for prediction (of those, 80% become [MASK], 10% a random token, 10% stay)."""
+    whole_word_masking: bool = False
+    """mlm: select whole words (a word and all its ## pieces) instead of single tokens."""
+    nsp: bool = False
+    """mlm: BERT's sentence pairs with the next-sentence-prediction head and loss (50% random next segment) instead of packed full sentences."""
+    eval_data: str | None = None
+    """mlm: evaluate on the held-out documents of another prepared corpus instead of this one's."""
+    target_mlm_accuracy: float | None = None
+    """mlm: stop when an evaluation reaches this masked-token accuracy (MLPerf: 0.720); the summary gives time, steps and tokens to target."""
+    eval_every: str | None = None
+    """Also evaluate during training: every N optimizer steps ('500') or every period of wall time ('10m'); each evaluation is a metrics.jsonl line."""
 
     # --- data pipeline ---
     sampler: str = "length-grouped"
@@ -166,6 +217,8 @@ class RunConfig:
     """Steps excluded from steady-state throughput (default: min(10, 20% of the steps), at least 1)."""
     do_eval: bool = True
     """Evaluate on the dev split(s) after training."""
+    save_model: bool = True
+    """Write the final weights (RUN_DIR/model.safetensors, Hugging Face names) at the end; hpcbert export RUN_DIR turns them into a Hugging Face directory."""
     checkpoint_every: float | None = None
     """Save a checkpoint every this much wall-clock time ('20m', '600'); off when not given."""
     checkpoint_steps: int | None = None
@@ -187,6 +240,17 @@ class RunConfig:
         _choice("sampler", self.sampler, SAMPLERS)
         _choice("lr_scaling", self.lr_scaling, LR_SCALINGS)
         _choice("lr_horizon", self.lr_horizon, LR_HORIZONS)
+        _choice("lr_decay", self.lr_decay, LR_DECAYS)
+        _choice("squad_version", self.squad_version, SQUAD_VERSIONS)
+        if self.format is not None:
+            _choice("format", self.format, FILE_FORMATS)
+        if self.poly_power <= 0:
+            raise ValueError(f"poly_power: must be > 0, got {self.poly_power}")
+        if not 0 < self.mask_prob < 1:
+            raise ValueError(f"mask_prob: must be in (0, 1), got {self.mask_prob}")
+        if self.target_mlm_accuracy is not None and not 0 < self.target_mlm_accuracy <= 1:
+            raise ValueError(f"target_mlm_accuracy: must be in (0, 1], got {self.target_mlm_accuracy}")
+        self.eval_every_steps, self.eval_every_seconds  # validates --eval-every
         self.time_budget = parse_duration(self.time_budget, "time_budget")
         self.checkpoint_every = parse_duration(self.checkpoint_every, "checkpoint_every")
         if self.checkpoint_steps is not None and self.checkpoint_steps < 1:
@@ -197,7 +261,8 @@ class RunConfig:
         if self.dist_timeout <= 0:
             raise ValueError(f"dist_timeout: must be > 0 seconds, got {self.dist_timeout}")
         for name in ("max_seq_length", "batch_size", "grad_accum", "eval_batch_size", "log_every",
-                     "synthetic_train_size", "synthetic_dev_size"):
+                     "synthetic_train_size", "synthetic_dev_size", "doc_stride", "max_query_length",
+                     "n_best_size", "max_answer_length"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
         if self.max_seq_length > 512:
@@ -215,13 +280,28 @@ class RunConfig:
         if self.lr_horizon == "time-budget" and not self.time_budget:
             raise ValueError("lr_horizon: 'time-budget' fits the LR decay to --time-budget; give one "
                              "(e.g. --time-budget 20m) or use --lr-horizon steps")
-        if self.task != "synthetic" and not self.data_dir:
-            raise ValueError(f"data_dir: task {self.task!r} reads GLUE files; pass --data-dir GLUE_DIR "
-                             f"(or use --task synthetic)")
+        # Which options a task needs (files, columns) is checked by its objective (objectives/).
 
     @property
     def checkpointing(self) -> bool:
         return bool(self.checkpoint_every or self.checkpoint_steps)
+
+    @property
+    def eval_every_steps(self) -> int | None:
+        """--eval-every as a step count ('500'), or None."""
+        if self.eval_every is None or not str(self.eval_every).strip().isdigit():
+            return None
+        n = int(str(self.eval_every).strip())
+        if n < 1:
+            raise ValueError(f"eval_every: must be >= 1 step, got {self.eval_every!r}")
+        return n
+
+    @property
+    def eval_every_seconds(self) -> float | None:
+        """--eval-every as a period of wall time ('10m', '1h', '90s'), or None."""
+        if self.eval_every is None or str(self.eval_every).strip().isdigit():
+            return None
+        return parse_duration(self.eval_every, "eval_every (a step count such as '500', or a duration such as '10m')")
 
     def resume_mode(self) -> str:
         """'never', 'auto' or a path; None resolves by whether a scheduler started us."""
@@ -247,7 +327,9 @@ class RunConfig:
 # Fields that may differ between a run and its resumption; every other field must match.
 RESUMABLE_CHANGES = frozenset({"out", "time_budget", "checkpoint_every", "checkpoint_steps", "keep_last", "resume",
                                "threads", "dist_timeout", "log_every", "do_eval", "eval_batch_size", "cache_dir",
-                               "data_dir", "tokenizer"})
+                               "data_dir", "tokenizer", "train_file", "dev_file", "test_file", "eval_data",
+                               "eval_every", "target_mlm_accuracy", "n_best_size", "max_answer_length",
+                               "null_score_diff_threshold", "save_model", "init_from"})
 
 
 def field_help() -> dict[str, str]:

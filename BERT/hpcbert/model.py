@@ -230,9 +230,14 @@ class BertForSequenceClassification(nn.Module):
 
     def loss_sum(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Summed (not averaged) loss over the batch: the trainer divides by the global batch."""
-        if self.config.num_labels == 1:
-            return F.mse_loss(logits.squeeze(-1).float(), labels.float(), reduction="sum")
-        return F.cross_entropy(logits.float(), labels, reduction="sum")
+        return classification_loss(logits, labels, reduction="sum")
+
+
+def classification_loss(logits: torch.Tensor, labels: torch.Tensor, reduction: str = "none") -> torch.Tensor:
+    """Cross-entropy over classes, or MSE when there is one output (regression), in fp32."""
+    if logits.shape[-1] == 1:
+        return F.mse_loss(logits.squeeze(-1).float(), labels.float(), reduction=reduction)
+    return F.cross_entropy(logits.float(), labels, reduction=reduction)
 
 
 def flops_per_sequence(c: BertConfig, seq_len: int) -> float:

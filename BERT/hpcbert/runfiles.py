@@ -89,15 +89,15 @@ METRIC_KEYS = ("step", "epoch", "loss", "lr", "grad_norm", "step_time_s", "seque
                "tokens_per_sec", "elapsed_s")
 
 
-def write_json_atomic(path: str | os.PathLike, obj: Any) -> None:
-    """Write JSON via a temporary file in the same directory, fsync, then rename."""
+def write_text_atomic(path: str | os.PathLike, text: str) -> None:
+    """Write text via a temporary file in the same directory, fsync, then rename: a reader (or a
+    killed writer) never sees half a file."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(obj, f, indent=2, sort_keys=False, default=_json_default)
-            f.write("\n")
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -105,6 +105,11 @@ def write_json_atomic(path: str | os.PathLike, obj: Any) -> None:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
+
+
+def write_json_atomic(path: str | os.PathLike, obj: Any) -> None:
+    """Write JSON via a temporary file in the same directory, fsync, then rename."""
+    write_text_atomic(path, json.dumps(obj, indent=2, sort_keys=False, default=_json_default) + "\n")
 
 
 def _json_default(o: Any) -> Any:

@@ -28,10 +28,10 @@ from torch import nn
 from . import PROCESS_START, __version__, batching, dist, meters, objectives, policies, zoo
 from .checkpoint import Checkpoint, CheckpointError, CheckpointManager
 from .config import RESUMABLE_CHANGES, RunConfig
-from .data.features import Features, epoch_order, global_batches, shard
+from .data.features import epoch_order, global_batches, shard
 from .model import flops_per_sequence, load_pretrained
 from .optim import make_optimizer
-from .runfiles import SCHEMA_VERSION, MetricsWriter, write_json_atomic
+from .runfiles import SCHEMA_VERSION, MetricsWriter, write_json_atomic, write_text_atomic
 from .stopping import REASONS, StopConditions
 
 # With --lr-horizon time-budget, the decay horizon is fitted once this many steps have run, from the
@@ -141,6 +141,7 @@ class Trainer:
 
     def __init__(self, cfg: RunConfig, d: dist.Dist, objective: objectives.Objective):
         self.d, self.obj = d, objective
+        objective.check(cfg)  # options the task cannot use fail here, before any file is read
         self.src = zoo.resolve(cfg.model)
         # Files are rank 0's decisions: the run directory (a default one is timestamped) ...
         self.run_dir = Path(dist.decide(d, lambda: str(Path(cfg.out) if cfg.out else default_run_dir(cfg))))
@@ -220,7 +221,7 @@ class Trainer:
                                   f"resume with the same number of processes, or use another --out")
         return ck
 
-    def _load_data(self) -> tuple[Features, dict[str, Features]]:
+    def _load_data(self) -> tuple[objectives.Dataset, dict[str, objectives.Dataset]]:
         """Rank 0 tokenises (or reads the cache) first; the others then read the cache. A bad file
         fails on every rank with rank 0's message, instead of leaving the others at a barrier."""
         loaded: dict = {}
@@ -260,10 +261,10 @@ class Trainer:
 
     def _example_loss(self, batch_size: int) -> torch.Tensor:
         """Forward + loss of a batch of `batch_size` sequences at --max-seq-length (memory probes)."""
-        batch = self.obj.example_batch(batch_size, self.cfg.max_seq_length, self.raw.config.vocab_size)
+        batch, norm = self.obj.example_batch(batch_size, self.cfg.max_seq_length, self.raw.config.vocab_size)
         batch = batch.to(self.d.device)
         with self.amp():
-            return self.obj.loss_sum(self.raw, self.obj.forward(self.raw, batch), batch)
+            return self.obj.loss(self.raw, self.obj.forward(self.raw, batch), batch, norm)
 
     # --- the run ----------------------------------------------------------------------------------
 
@@ -323,7 +324,7 @@ class Trainer:
                 batches = order(st.epoch)
             t0 = time.perf_counter()
             gb = batches[st.pos]
-            loss, grad_norm, counts = self.step(gb)
+            loss, grad_norm, counts = self.step(gb, st.epoch)
             st.step, st.pos, st.sequences = st.step + 1, st.pos + 1, st.sequences + len(gb)
             rec = StepRecord(st.step, t0, len(gb), self.scheduler.get_last_lr()[0], st.epoch + st.pos / len(batches))
             nonfinite = (~torch.isfinite(grad_norm)).to(torch.float64)
@@ -342,11 +343,13 @@ class Trainer:
             st.last_loss = float(np.mean(st.window_loss))
         return LoopResult(stopped_by, self.first_start, self.last_end)
 
-    def step(self, gb: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, list[float]]:
-        """One optimizer step on global batch `gb` (this rank's share, in micro-batches). Returns the
-        loss and gradient norm as device tensors (no host sync) and this rank's token/FLOP counts."""
+    def step(self, gb: np.ndarray, epoch: int = 0) -> tuple[torch.Tensor, torch.Tensor, list[float]]:
+        """One optimizer step on global batch `gb` of `epoch` (this rank's share, in micro-batches).
+        Returns the loss and gradient norm as device tensors (no host sync) and this rank's
+        token/FLOP counts."""
         cfg, d = self.cfg, self.d
         micro = shard(gb, self.per_rank, d.rank, cfg.grad_accum)
+        norm = self.obj.norm(self.train_set, gb, epoch)  # the global batch's normalisers, same on every rank
         pad_to = cfg.max_seq_length if cfg.pad_to_max_length else None
         loss_acc = torch.zeros((), device=d.device)
         real_tokens = padded = 0
@@ -355,7 +358,7 @@ class Trainer:
             # A short last batch can leave this rank no example; it must still join DDP's
             # all-reduce, so it runs one example with weight 0 (zero gradient, not counted).
             weight = 1.0 if len(idx) else 0.0
-            batch = self.obj.collate(self.train_set, idx if len(idx) else gb[:1], pad_to).to(d.device)
+            batch = self.obj.collate(self.train_set, idx if len(idx) else gb[:1], pad_to, epoch).to(d.device)
             B, T = batch.input_ids.shape
             if weight:
                 real_tokens += batch.real_tokens
@@ -366,9 +369,9 @@ class Trainer:
             with sync:
                 with self.amp():
                     out = self.obj.forward(self.model, batch)
-                    # Sum over the micro-batch / examples in the global batch, x world size because
-                    # DDP averages gradients over ranks: the gradient is that of one big batch.
-                    loss = self.obj.loss_sum(self.raw, out, batch) * (weight * d.world_size / len(gb))
+                    # This micro-batch's share of the global batch's loss, x world size because DDP
+                    # averages gradients over ranks: the gradient is that of one big batch.
+                    loss = self.obj.loss(self.raw, out, batch, norm) * (weight * d.world_size)
                 self.scaler.scale(loss).backward()
             loss_acc += loss.detach()
         self.scaler.unscale_(self.optimizer)
@@ -508,31 +511,37 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, dict[str, float]]:
-        """Score every dev example exactly once across ranks (rank r takes r, r+W, ... of the
-        length-sorted order: no padding duplicates), with the objective's metrics and mean loss."""
+        """Score every dev/test example exactly once across ranks (rank r takes r, r+W, ... of the
+        length-sorted order: no padding duplicates). The objective turns the predictions, put back
+        in dataset order, into metrics and files; rank 0 writes the files into the run directory."""
         d, obj, cfg = self.d, self.obj, self.cfg
         self.raw.eval()
         out: dict[str, dict[str, float]] = {}
-        for split, feats in self.dev.items():
-            order = np.argsort(-feats.lengths, kind="stable")  # least padding; same result
+        for split, data in self.dev.items():
+            order = np.argsort(-data.lengths, kind="stable")  # least padding; same result
             mine = order[d.rank::d.world_size]
-            preds, loss_sum = [], 0.0
+            preds: list[dict[str, np.ndarray]] = []
             for i in range(0, len(mine), cfg.eval_batch_size):
-                batch = obj.collate(feats, mine[i:i + cfg.eval_batch_size]).to(d.device)
+                batch = obj.collate(data, mine[i:i + cfg.eval_batch_size]).to(d.device)
                 with self.amp():
                     outputs = obj.forward(self.raw, batch)
-                    loss_sum += float(obj.loss_sum(self.raw, outputs, batch))
                 preds.append(obj.predict(outputs, batch))
-            gathered = dist.all_gather_objects(d, (mine, preds, loss_sum))
+            gathered = dist.all_gather_objects(d, (mine, preds))
             idx = np.concatenate([g[0] for g in gathered])
-            assert len(idx) == len(feats) and len(np.unique(idx)) == len(feats), "every dev example exactly once"
-            pred = np.concatenate([p for g in gathered for p in g[1]])
-            ordered = np.empty_like(pred)
-            ordered[idx] = pred
-            metrics = obj.metrics(split, ordered, feats)
-            metrics["loss"] = sum(g[2] for g in gathered) / len(feats)
-            out[split] = metrics
-            log(d, f"eval {split}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
+            assert len(idx) == len(data) and len(np.unique(idx)) == len(data), "every dev example exactly once"
+            batches = [p for g in gathered for p in g[1]]  # a rank may have had no example
+            ordered = {}
+            for name in batches[0]:
+                rows = np.concatenate([p[name] for p in batches])
+                ordered[name] = np.empty_like(rows)
+                ordered[name][idx] = rows
+            result = obj.evaluate(split, ordered, data)
+            if d.is_main:
+                for name, text in result.files.items():
+                    write_text_atomic(self.run_dir / name, text)
+            out[split] = result.metrics
+            log(d, f"eval {split}: " + ", ".join(f"{k} {v:.4f}" for k, v in result.metrics.items())
+                   + (f"; wrote {', '.join(result.files)}" if result.files else ""))
         self.raw.train()
         return out
 

@@ -1,21 +1,40 @@
 """Objectives: what a run needs from a task, in one small protocol. The trainer knows no task by name.
 
 An objective provides
-    load(cfg, src)            -> train features + dev splits (tokenised once, from the feature cache)
-    build_model(model_cfg)    -> the task's head on top of the shared BertModel (`.bert`), HF names
-    collate(feats, idx, pad)  -> a Batch (dynamic padding; real-token count for throughput)
-    forward(model, batch)     -> the model's outputs (called on the DDP/compiled wrapper)
-    loss_sum(model, out, b)   -> the loss summed over the batch's examples (the trainer normalises)
-    predict(out, batch)       -> one numpy row per example (dev): the objective's predictions
-    metrics(split, preds)     -> the official metrics of the split, from predictions in dataset order
-    example_batch(b, T, vocab)-> a batch of b sequences of T tokens, for memory measurements
+    check(cfg)                 -> None; refuses options the task cannot use, naming the field (before
+                                  any data or model is loaded)
+    load(cfg, src)             -> train data + dev/test splits (tokenised once, cached): `Dataset`s
+    build_model(model_cfg)     -> the task's head on top of the shared BertModel (`.bert`), HF names
+    collate(data, idx, pad_to, epoch)
+                               -> a Batch. `epoch` is the training epoch (an objective that draws
+                                  random targets, such as masked-LM, draws them from (seed, epoch,
+                                  example) so every pass is fresh and any rank count sees the same
+                                  ones); None means evaluation: fixed, reproducible targets
+    norm(data, idx, epoch)     -> the global batch's normalisers (host numbers, e.g. {"examples": 32},
+                                  {"masked": 611, "examples": 32}); computed by every rank from the
+                                  whole global batch, so no collective is needed
+    forward(model, batch)      -> the model's outputs (called on the DDP/compiled wrapper)
+    loss(model, out, b, norm)  -> this micro-batch's share of the global batch's loss: its sums divided
+                                  by `norm` (the trainer only scales for DDP's averaging)
+    predict(out, batch)        -> {name: array with one row per example} (dev/test): predictions,
+                                  per-example loss terms, whatever `evaluate` needs
+    evaluate(split, preds, data)-> Evaluation: the split's official metrics (and "loss") from `preds`
+                                  in dataset order, and files for the run directory (predictions)
+    example_batch(b, T, vocab) -> (Batch, norm) of b sequences of T tokens, for memory measurements
+    hf_config()                -> extra keys of an exported Hugging Face config.json (architectures,
+                                  id2label, ...)
 Throughput is counted in sequences (examples of a batch) and tokens (`Batch.real_tokens`).
+
+A `Dataset` is anything with `len()`, `.lengths` (tokens per example, for the sampler and for
+evaluation order) and `.fingerprint()` (changes when the token ids or targets change: resume
+refuses other data); `data.features.Features` is the common one.
 
 `get(cfg)` returns the objective of `cfg.task`.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
@@ -24,27 +43,62 @@ from torch import nn
 
 if TYPE_CHECKING:
     from ..config import RunConfig
-    from ..data.features import Batch, Features
+    from ..data.features import Batch
     from ..model import BertConfig
     from ..zoo import ModelSource
+
+
+class Dataset(Protocol):
+    lengths: np.ndarray
+
+    def __len__(self) -> int: ...
+    def fingerprint(self) -> str: ...
+
+
+@dataclass
+class Evaluation:
+    """What evaluating one split gives: metrics (floats, the split's official ones and "loss" where
+    the split has targets) and files to write into the run directory ({file name: text})."""
+
+    metrics: dict[str, float]
+    files: dict[str, str] = field(default_factory=dict)
 
 
 class Objective(Protocol):
     name: str           # task name in summaries and tables
     main_metric: str    # the dev metric a table leads with
 
-    def load(self, cfg: "RunConfig", src: "ModelSource") -> tuple["Features", dict[str, "Features"]]: ...
+    def check(self, cfg: "RunConfig") -> None: ...
+    def load(self, cfg: "RunConfig", src: "ModelSource") -> tuple[Dataset, dict[str, Dataset]]: ...
     def build_model(self, model_cfg: "BertConfig") -> nn.Module: ...
-    def collate(self, feats: "Features", indices: Any, pad_to: int | None = None) -> "Batch": ...
+    def collate(self, data: Dataset, indices: Any, pad_to: int | None = None,
+                epoch: int | None = None) -> "Batch": ...
+    def norm(self, data: Dataset, indices: np.ndarray, epoch: int | None) -> dict[str, float]: ...
     def forward(self, model: nn.Module, batch: "Batch") -> Any: ...
-    def loss_sum(self, model: nn.Module, outputs: Any, batch: "Batch") -> torch.Tensor: ...
-    def predict(self, outputs: Any, batch: "Batch") -> np.ndarray: ...
-    def metrics(self, split: str, predictions: np.ndarray, feats: "Features") -> dict[str, float]: ...
-    def example_batch(self, batch_size: int, seq_len: int, vocab_size: int) -> "Batch": ...
+    def loss(self, model: nn.Module, outputs: Any, batch: "Batch", norm: dict[str, float]) -> torch.Tensor: ...
+    def predict(self, outputs: Any, batch: "Batch") -> dict[str, np.ndarray]: ...
+    def evaluate(self, split: str, predictions: dict[str, np.ndarray], data: Dataset) -> Evaluation: ...
+    def example_batch(self, batch_size: int, seq_len: int, vocab_size: int) -> tuple["Batch", dict[str, float]]: ...
+    def hf_config(self) -> dict[str, Any]: ...
+
+
+# task name -> "module:Class"; the class's `from_config(cfg)` builds it. Other names: GLUE or synthetic.
+_REGISTRY = {
+    "mlm": "mlm:MaskedLM",
+    "squad": "squad:QuestionAnswering",
+    "classify": "own:OwnClassification",
+}
+TASKS_HELP = ("a GLUE task (cola, sst-2, mrpc, sts-b, qqp, mnli, qnli, rte, wnli), squad, classify (your "
+              "own CSV/TSV/JSONL files), mlm (masked-LM pre-training) or synthetic (no files needed)")
 
 
 def get(cfg: "RunConfig") -> Objective:
     """The objective that trains `cfg.task`."""
+    import importlib
+
+    if cfg.task in _REGISTRY:
+        module, cls = _REGISTRY[cfg.task].split(":")
+        return getattr(importlib.import_module(f".{module}", __name__), cls).from_config(cfg)
     from .classification import SequenceClassification
 
-    return SequenceClassification.for_task(cfg.task)
+    return SequenceClassification.from_config(cfg)

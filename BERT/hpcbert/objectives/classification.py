@@ -14,8 +14,9 @@ from ..data import synthetic
 from ..data.features import Batch, Features, cached_features, collate, load_tokenizer, tokenize_examples
 from ..data.glue import TaskSpec, get_task, read_split, task_path
 from ..data.metrics import accuracy, compute_metrics
-from ..model import BertConfig, BertForSequenceClassification
+from ..model import BertConfig, BertForSequenceClassification, classification_loss
 from ..zoo import ModelSource
+from . import Evaluation
 
 SYNTHETIC = TaskSpec(name="synthetic", folder="", train_file="", dev_files={"dev": ""},
                      labels=("0", "1"), main_metric="accuracy")
@@ -28,8 +29,8 @@ class SequenceClassification:
     spec: TaskSpec
 
     @classmethod
-    def for_task(cls, name: str) -> "SequenceClassification":
-        return cls(SYNTHETIC if name == "synthetic" else get_task(name))
+    def from_config(cls, cfg: RunConfig) -> "SequenceClassification":
+        return cls(SYNTHETIC if cfg.task == "synthetic" else get_task(cfg.task))
 
     @property
     def name(self) -> str:
@@ -38,6 +39,11 @@ class SequenceClassification:
     @property
     def main_metric(self) -> str:
         return self.spec.main_metric
+
+    def check(self, cfg: RunConfig) -> None:
+        if self.spec is not SYNTHETIC and not cfg.data_dir:
+            raise ValueError(f"data_dir: task {cfg.task!r} reads GLUE files; pass --data-dir GLUE_DIR "
+                             f"(or use --task synthetic)")
 
     def load(self, cfg: RunConfig, src: ModelSource) -> tuple[Features, dict[str, Features]]:
         """Tokenise (or read from the cache) the training split and, with --do-eval, every dev split."""
@@ -66,27 +72,46 @@ class SequenceClassification:
         num_labels = 1 if self.spec.is_regression else len(self.spec.labels)
         return BertForSequenceClassification(BertConfig(**{**model_cfg.to_dict(), "num_labels": num_labels}))
 
-    def collate(self, feats: Features, indices: Any, pad_to: int | None = None) -> Batch:
+    def collate(self, feats: Features, indices: Any, pad_to: int | None = None, epoch: int | None = None) -> Batch:
         return collate(feats, indices, pad_to)
+
+    def norm(self, feats: Features, indices: np.ndarray, epoch: int | None) -> dict[str, float]:
+        return {"examples": float(len(indices))}
 
     def forward(self, model: nn.Module, batch: Batch) -> torch.Tensor:
         return model(batch.input_ids, batch.attention_mask, batch.token_type_ids)  # (B, num_labels)
 
-    def loss_sum(self, model: nn.Module, outputs: torch.Tensor, batch: Batch) -> torch.Tensor:
-        return model.loss_sum(outputs, batch.labels)
+    def loss(self, model: nn.Module, outputs: torch.Tensor, batch: Batch, norm: dict[str, float]) -> torch.Tensor:
+        return model.loss_sum(outputs, batch.labels) / norm["examples"]
 
-    def predict(self, outputs: torch.Tensor, batch: Batch) -> np.ndarray:
+    def predict(self, outputs: torch.Tensor, batch: Batch) -> dict[str, np.ndarray]:
+        out = outputs.detach()
+        loss = classification_loss(out, batch.labels).cpu().numpy()
         if self.spec.is_regression:
-            return outputs.detach().float().squeeze(-1).cpu().numpy()
-        return outputs.detach().argmax(-1).cpu().numpy()
+            return {"pred": out.float().squeeze(-1).cpu().numpy(), "loss": loss}
+        return {"pred": out.argmax(-1).cpu().numpy(), "loss": loss}
 
-    def metrics(self, split: str, predictions: np.ndarray, feats: Features) -> dict[str, float]:
+    def evaluate(self, split: str, predictions: dict[str, np.ndarray], feats: Features) -> Evaluation:
+        pred = predictions["pred"]
         if self.spec is SYNTHETIC:
-            return {"accuracy": accuracy(predictions, feats.labels)}
-        return compute_metrics(self.spec, predictions, feats.labels)
+            metrics = {"accuracy": accuracy(pred, feats.labels)}
+        else:
+            metrics = compute_metrics(self.spec, pred, feats.labels)
+        return Evaluation({**metrics, "loss": float(np.mean(predictions["loss"]))})
 
-    def example_batch(self, batch_size: int, seq_len: int, vocab_size: int) -> Batch:
+    def example_batch(self, batch_size: int, seq_len: int, vocab_size: int) -> tuple[Batch, dict[str, float]]:
         ids = torch.randint(1, vocab_size, (batch_size, seq_len))
         labels = (torch.zeros(batch_size) if self.spec.is_regression
                   else torch.zeros(batch_size, dtype=torch.long))
-        return Batch(ids, torch.zeros_like(ids), None, labels, batch_size * seq_len)
+        return Batch(ids, torch.zeros_like(ids), None, labels, batch_size * seq_len), {"examples": float(batch_size)}
+
+    def hf_config(self) -> dict[str, Any]:
+        cfg: dict[str, Any] = {"architectures": ["BertForSequenceClassification"]}
+        if self.spec is not SYNTHETIC:
+            cfg["finetuning_task"] = self.spec.name
+        if self.spec.is_regression:
+            cfg["problem_type"] = "regression"
+        else:
+            cfg["id2label"] = {str(i): name for i, name in enumerate(self.spec.labels)}
+            cfg["label2id"] = {name: i for i, name in enumerate(self.spec.labels)}
+        return cfg
