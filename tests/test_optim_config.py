@@ -42,12 +42,25 @@ def test_durations(text, seconds):
 
 @pytest.mark.parametrize("kwargs,field", [
     (dict(precision="fp8"), "precision"), (dict(grad_ckpt="half"), "grad_ckpt"), (dict(batch_size=0), "batch_size"),
-    (dict(time_budget="twenty minutes"), "time_budget"), (dict(task="mrpc"), "data_dir"),
+    (dict(time_budget="twenty minutes"), "time_budget"), (dict(lr_decay="cosine"), "lr_decay"),
+    (dict(eval_every="5 minutes"), "eval_every"), (dict(mask_prob=1.5), "mask_prob"), (dict(format="xlsx"), "format"),
     (dict(optimizer="sgd"), "optimizer"), (dict(max_seq_length=1024), "max_seq_length"), (dict(sampler="x"), "sampler"),
 ])
 def test_bad_config_names_the_field(kwargs, field):
     with pytest.raises(ValueError, match=rf"^{field}:"):
         RunConfig(**kwargs)
+
+
+def test_a_glue_task_without_its_directory_is_refused_by_its_objective_naming_the_field():
+    from hpcbert import objectives
+    cfg = RunConfig(task="mrpc")
+    with pytest.raises(ValueError, match=r"^data_dir: task 'mrpc' reads GLUE files"):
+        objectives.get(cfg).check(cfg)
+
+
+def test_eval_every_is_a_step_count_or_a_duration():
+    assert (RunConfig(eval_every="500").eval_every_steps, RunConfig(eval_every="500").eval_every_seconds) == (500, None)
+    assert (RunConfig(eval_every="10m").eval_every_steps, RunConfig(eval_every="10m").eval_every_seconds) == (None, 600.0)
 
 
 def test_config_round_trip_and_unknown_keys():
