@@ -301,7 +301,10 @@ class RunConfig:
         """--eval-every as a period of wall time ('10m', '1h', '90s'), or None."""
         if self.eval_every is None or str(self.eval_every).strip().isdigit():
             return None
-        return parse_duration(self.eval_every, "eval_every (a step count such as '500', or a duration such as '10m')")
+        try:
+            return parse_duration(self.eval_every, "eval_every")
+        except ValueError as e:
+            raise ValueError(f"{e}; or a step count ('500')") from None
 
     def resume_mode(self) -> str:
         """'never', 'auto' or a path; None resolves by whether a scheduler started us."""
