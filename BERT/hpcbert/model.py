@@ -188,26 +188,26 @@ class BertModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 token_type_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """input_ids (B, T) -> (sequence output (B, T, H), pooled output (B, H))."""
+        """input_ids (B, T) -> (sequence output (B, T, H), pooled output (B, H), None without a pooler)."""
         if token_type_ids is None:
             token_type_ids = torch.zeros_like(input_ids)
         # Boolean mask (B, 1, 1, T): True = attend. Callers pass None when nothing is padded, which
         # lets SDPA pick its fastest kernel (checking here would be a CPU-GPU sync point).
         mask = None if attention_mask is None else attention_mask[:, None, None, :].bool()
         x = self.encoder(self.embeddings(input_ids, token_type_ids), mask)
-        return x, self.pooler(x)
+        return x, (self.pooler(x) if self.pooler is not None else None)
 
 
-class BertForSequenceClassification(nn.Module):
-    """BERT + dropout + linear head. num_labels == 1 is regression (MSE), else cross-entropy."""
+class BertHeadModel(nn.Module):
+    """Base of every task model: the shared encoder as `.bert` (HF name) plus a head, initialised
+    as BERT is. Heads are the task models below; objectives (objectives/) pick one."""
 
-    def __init__(self, c: BertConfig):
+    def __init__(self, c: BertConfig, with_pooler: bool = True):
         super().__init__()
         self.config = c
         self.bert = BertModel(c)
-        self.dropout = nn.Dropout(c.hidden_dropout_prob if c.classifier_dropout is None else c.classifier_dropout)
-        self.classifier = nn.Linear(c.hidden_size, c.num_labels)
-        self.apply(self._init_weights)
+        if not with_pooler:
+            self.bert.pooler = None
 
     def _init_weights(self, m: nn.Module) -> None:
         # BERT's initialisation: N(0, 0.02) weights, zero biases, unit LayerNorm.
@@ -221,6 +221,16 @@ class BertForSequenceClassification(nn.Module):
         elif isinstance(m, nn.LayerNorm):
             nn.init.ones_(m.weight)
             nn.init.zeros_(m.bias)
+
+
+class BertForSequenceClassification(BertHeadModel):
+    """BERT + dropout + linear head. num_labels == 1 is regression (MSE), else cross-entropy."""
+
+    def __init__(self, c: BertConfig):
+        super().__init__(c)
+        self.dropout = nn.Dropout(c.hidden_dropout_prob if c.classifier_dropout is None else c.classifier_dropout)
+        self.classifier = nn.Linear(c.hidden_size, c.num_labels)
+        self.apply(self._init_weights)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
@@ -283,7 +293,7 @@ class LoadReport:
     mismatched: list[str]   # same name, different shape (freshly initialised)
 
 
-def load_pretrained(model: BertForSequenceClassification, model_dir: str | Path) -> LoadReport:
+def load_pretrained(model: BertHeadModel, model_dir: str | Path) -> LoadReport:
     """Copy an HF-format checkpoint into `model`, reporting every key that did not match by name."""
     raw = load_state_dict_file(model_dir)
     own = model.state_dict()
