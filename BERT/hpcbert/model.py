@@ -250,6 +250,23 @@ def classification_loss(logits: torch.Tensor, labels: torch.Tensor, reduction: s
     return F.cross_entropy(logits.float(), labels, reduction=reduction)
 
 
+class BertForQuestionAnswering(BertHeadModel):
+    """BERT + a linear span head (`qa_outputs`, H -> 2: start and end logits per token), no pooler:
+    HF's BertForQuestionAnswering, so its checkpoints load by name."""
+
+    def __init__(self, c: BertConfig):
+        super().__init__(c, with_pooler=False)
+        self.qa_outputs = nn.Linear(c.hidden_size, 2)
+        self.apply(self._init_weights)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                token_type_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (start logits (B, T), end logits (B, T)), padded positions included (as HF)."""
+        x, _ = self.bert(input_ids, attention_mask, token_type_ids)
+        start, end = self.qa_outputs(x).unbind(-1)  # (B, T, 2) -> 2 x (B, T)
+        return start, end
+
+
 def flops_per_sequence(c: BertConfig, seq_len: int) -> float:
     """Training FLOPs of the encoder for one sequence: 3 * L * (8*s*h^2 + 4*s*h*I + 4*s^2*h),
     which is the familiar 3 * L * (24*s*h^2 + 4*s^2*h) when the feed-forward width I is 4h.
@@ -313,3 +330,32 @@ def load_pretrained(model: BertHeadModel, model_dir: str | Path) -> LoadReport:
     missing = sorted(k for k in own if k not in src and k not in mismatched_own)
     model.load_state_dict(src, strict=False)
     return LoadReport(missing=missing, unexpected=sorted(unexpected), mismatched=sorted(mismatched))
+
+
+def hf_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """`model`'s weights under Hugging Face names, on the CPU, each tensor once: what an exported
+    model.safetensors holds (the reverse of `load_pretrained`; the only other place that knows the
+    names). Tied weights (an MLM decoder sharing the word embeddings) are saved once, as HF's
+    save_pretrained does: a model lists the names that are copies in `_tied_weights_keys` (HF's
+    attribute: a list of names, or a {copy: source} dict), and those are dropped where they share
+    memory with another tensor; otherwise the first name in state_dict order is kept."""
+    tied = set(getattr(model, "_tied_weights_keys", None) or ())
+    state = model.state_dict()
+    groups: dict[tuple, list[str]] = {}
+    for name, t in state.items():
+        key = (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()))
+        groups.setdefault(key, []).append(name)
+    keep = set()
+    for names in groups.values():
+        kept = [n for n in names if n not in tied] or names
+        keep.add(kept[0])
+    out: dict[str, torch.Tensor] = {}
+    seen: set[int] = set()
+    for name, t in state.items():  # state_dict order
+        if name not in keep:
+            continue
+        t = t.detach().to("cpu").contiguous()
+        ptr = t.untyped_storage().data_ptr()
+        out[name] = t.clone() if ptr in seen else t  # safetensors refuses tensors that share memory
+        seen.add(ptr)
+    return out

@@ -106,19 +106,24 @@ def default_cache_dir() -> Path:
     return Path(os.environ.get("HPCBERT_CACHE") or Path.home() / ".cache" / "hpcbert") / "features"
 
 
-def cached_features(source: Path, tok, max_seq_length: int, build, cache_dir: str | None) -> tuple[Features, bool]:
+def cached_features(source: Path, tok, max_seq_length: int, build, cache_dir: str | None, *,
+                    params: dict | None = None, kind: type = Features) -> tuple[Features, bool]:
     """Features for `source`, built with `build()` on a cache miss. Key: sha256 of the file's
-    bytes, the tokenizer's serialised form, the length and FEATURE_VERSION. Returns (features, hit)."""
+    bytes, the tokenizer's serialised form, the length, FEATURE_VERSION and any other settings
+    the features depend on (`params`, e.g. SQuAD's doc_stride). `kind` is the Features type whose
+    `load` reads the file back (one with extra arrays saves them itself). Returns (features, hit)."""
     h = hashlib.sha256()
     with open(source, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
             h.update(chunk)
     key = f"{h.hexdigest()[:16]}-{tokenizer_fingerprint(tok)}-L{max_seq_length}-v{FEATURE_VERSION}"
+    if params:
+        key += "-" + "-".join(f"{k}{v}" for k, v in sorted(params.items()))
     cdir = Path(cache_dir) if cache_dir else default_cache_dir()
     path = cdir / f"{source.parent.name}-{source.stem}-{key}.npz"
     if path.is_file():
         try:
-            return Features.load(path), True
+            return kind.load(path), True
         except (OSError, ValueError, KeyError):
             pass  # a damaged cache file is rebuilt, never trusted
     feats = build()
