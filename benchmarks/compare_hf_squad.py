@@ -1,0 +1,689 @@
+#!/usr/bin/env python
+"""hpcbert vs the Hugging Face Trainer on SQuAD v1.1: the same model, split, lengths, epochs and precision.
+
+A measurement, not a test. Every figure comes from runs this script starts; results/squad/README.md
+is generated from the JSON files (`render`), never typed.
+
+    python benchmarks/compare_hf_squad.py prepare                          the by-article split + its counts
+    python benchmarks/compare_hf_squad.py accuracy --side hpcbert --seed 1 one accuracy run (skipped if done)
+    python benchmarks/compare_hf_squad.py throughput --repeat 1 --pair dynamic   one repeat of one pair
+    python benchmarks/compare_hf_squad.py render                           results/squad/README.md
+
+Data: the official SQuAD v1.1 dev file (../shared/data/squad/v1.1/dev-v1.1.json) split by article as
+its README says: the first 24 articles for training, the last 24 for evaluation.
+Both sides: minilm-l6 (pretrained BertModel; the span head `qa_outputs` newly initialised), max
+length 384, doc stride 128, per-device batch 16, 2 threads, lr 5e-5, AdamW (betas 0.9/0.999, eps
+1e-8, PyTorch's fused kernel on both sides), weight decay 0.01 (not on biases and LayerNorm
+weights), linear warm-up over round(0.1 x steps) steps then linear decay to 0, max grad norm 1.0,
+2 epochs, fp32 (this CPU has no native bf16), n-best 20, answers of at most 30 tokens.
+Each side prepares windows as its own users expect: hpcbert as Google's run_squad.py (question cut
+to 64 tokens, window starts 128 tokens apart); the Trainer as transformers' question-answering example
+(run_qa.py's prepare_train_features / prepare_validation_features and utils_qa.py's
+postprocess_qa_predictions, re-implemented below since the examples are not installed: the
+tokenizer's overflow windows with `stride=128`, i.e. 128 tokens of *overlap*, the question not cut).
+Both are scored with the official v1.1 metric (hpcbert.data.squad_metrics, a re-implementation of
+evaluate-v1.1.py; the example's `evaluate.load("squad")` is that script).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import math
+import os
+import shlex
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import compare_hf as C  # noqa: E402  (shared helpers: subprocess runs, noise, machine info, JSON I/O)
+
+ROOT = C.ROOT
+SQUAD_DEV = ROOT.parent / "shared" / "data" / "squad" / "v1.1" / "dev-v1.1.json"
+DEFAULT_RESULTS = ROOT / "results" / "squad"
+DEFAULT_WORK = ROOT / "runs" / "compare_hf_squad"
+TRAIN_ARTICLES = 24
+MODEL = "minilm-l6"
+SEQ_LEN, STRIDE, QUERY_LEN = 384, 128, 64
+BATCH, EVAL_BATCH, THREADS = 16, 64, 2
+LR, WEIGHT_DECAY, WARMUP_RATIO, MAX_GRAD_NORM, ADAM_EPS = 5e-5, 0.01, 0.1, 1.0, 1e-8
+EPOCHS = 2.0
+N_BEST, MAX_ANSWER = 20, 30
+SEEDS = (1, 2, 3)
+PRECISION = "fp32"  # this CPU has no native bf16 (emulated bf16 is ~100x slower): fp32 on both sides
+F1_TARGET = 1.5     # hpcbert's mean F1 within this many points of the Trainer's
+SPEED_TARGET = 1.1  # hpcbert >= 1.1x the Trainer's training sequences/s
+
+# Throughput pairs, each run as one interleaved pair per call: (hpcbert label + options, Trainer label + options).
+PAIRS = {
+    "dynamic": (("hpcbert defaults: dynamic padding, length-grouped sampler", []),
+                ("Trainer tuned: dynamic padding (DataCollatorWithPadding), train_sampling_strategy="
+                 "group_by_length, adamw_torch_fused", dict(padding="dynamic", group_by_length=True))),
+    "max": (("hpcbert --pad-to-max-length (every batch 16 x 384)", ["--pad-to-max-length"]),
+            ("Trainer defaults: pad to 384 (run_qa.py pad_to_max_length=True), random sampler, adamw_torch_fused",
+             dict(padding="max_length", group_by_length=False))),
+}
+
+
+def say(msg: str) -> None:
+    print(f"[compare_hf_squad {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def command_line() -> str:
+    nice = os.nice(0)
+    return (f"nice -n {nice} " if nice > 0 else "") + "python benchmarks/compare_hf_squad.py " + shlex.join(sys.argv[1:])
+
+
+def header(kind: str) -> dict:
+    import datetime
+    return {"kind": kind, "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            "command": command_line(), "machine": C.machine_info(THREADS)}
+
+
+# ----------------------------------------------------------------------------------------------
+# data: the by-article split
+# ----------------------------------------------------------------------------------------------
+
+def split_files(work: Path) -> tuple[Path, Path]:
+    """train.json (first 24 articles) and dev.json (last 24) of the shared dev file, written once
+    (same bytes every time, so hpcbert's feature cache hits)."""
+    if not SQUAD_DEV.is_file():
+        sys.exit(f"compare_hf_squad: {SQUAD_DEV} not found (the official SQuAD v1.1 dev file, in ../shared)")
+    doc = json.loads(SQUAD_DEV.read_text(encoding="utf-8"))
+    data = doc["data"]
+    assert len(data) == 2 * TRAIN_ARTICLES, len(data)
+    out = work / "data"
+    out.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for name, arts in (("train", data[:TRAIN_ARTICLES]), ("dev", data[TRAIN_ARTICLES:])):
+        p = out / f"{name}.json"
+        text = json.dumps({"version": doc.get("version", "1.1"), "data": arts}, ensure_ascii=False)
+        if not p.is_file() or p.read_text(encoding="utf-8") != text:
+            p.write_text(text, encoding="utf-8")
+        paths.append(p)
+    return paths[0], paths[1]
+
+
+def cmd_prepare(a) -> int:
+    """Counts of the split, and of the windows each side makes (no training)."""
+    from hpcbert.data.features import load_tokenizer
+    from hpcbert.data.squad import build_features, read_squad
+    from hpcbert.zoo import minilm_dir
+
+    train, dev = split_files(Path(a.work_dir))
+    doc = header("data")
+    tok = load_tokenizer(minilm_dir(), SEQ_LEN)
+    doc["splits"] = {}
+    for name, path in (("train", train), ("dev", dev)):
+        _, ex = read_squad(path)
+        f = build_features(ex, tok, SEQ_LEN, STRIDE, QUERY_LEN)
+        hf = hf_features(ex, train=name == "train")
+        doc["splits"][name] = {
+            "file": os.path.relpath(path, ROOT), "articles": len({e.title for e in ex}), "questions": len(ex),
+            "hpcbert_windows": len(f), "hf_windows": len(hf["input_ids"]),
+            "hpcbert_real_tokens_per_window": sum(map(len, f.input_ids)) / len(f),
+            "hf_real_tokens_per_window": sum(map(len, hf["input_ids"])) / len(hf["input_ids"]),
+            "truncated": len(f.truncated), "unmatched": len(f.unmatched), "unrecoverable": len(f.unrecoverable),
+        }
+        if name == "train":  # the example's targets: windows whose answer lies inside them
+            doc["splits"][name]["hf_windows_with_answer"] = sum(1 for s in hf["start_positions"] if s != 0)
+            doc["splits"][name]["hpcbert_windows_with_answer"] = int((f.start_positions != 0).sum())
+        say(f"{name}: {doc['splits'][name]}")
+    C.write_json(Path(a.results_dir) / "data.json", doc)
+    return 0
+
+
+# ----------------------------------------------------------------------------------------------
+# the Trainer side: run_qa.py's pre- and post-processing, re-implemented
+# ----------------------------------------------------------------------------------------------
+
+def _hf_tokenizer():
+    from transformers import AutoTokenizer
+    from hpcbert.zoo import minilm_dir
+    return AutoTokenizer.from_pretrained(str(minilm_dir()))
+
+
+def hf_features(examples, train: bool, tok=None, padding=False) -> dict:
+    """run_qa.py prepare_train_features (train=True) / prepare_validation_features, over
+    hpcbert's parsed examples (the same questions, contexts and first answers)."""
+    tok = tok or _hf_tokenizer()
+    max_len = min(SEQ_LEN, tok.model_max_length)
+    enc = tok([e.question.lstrip() for e in examples], [e.context for e in examples], truncation="only_second",
+              max_length=max_len, stride=STRIDE, return_overflowing_tokens=True, return_offsets_mapping=True,
+              padding="max_length" if padding else False)
+    sample_mapping = enc.pop("overflow_to_sample_mapping")
+    offset_mapping = enc.pop("offset_mapping")
+    out = {k: list(v) for k, v in enc.items()}
+    if train:
+        out["start_positions"], out["end_positions"] = [], []
+        for i, offsets in enumerate(offset_mapping):
+            input_ids = out["input_ids"][i]
+            cls_index = input_ids.index(tok.cls_token_id)
+            sequence_ids = enc.sequence_ids(i)
+            ex = examples[sample_mapping[i]]
+            if not ex.answers:
+                out["start_positions"].append(cls_index)
+                out["end_positions"].append(cls_index)
+                continue
+            start_char = ex.answers[0].answer_start
+            end_char = start_char + len(ex.answers[0].text)
+            token_start_index = 0
+            while sequence_ids[token_start_index] != 1:
+                token_start_index += 1
+            token_end_index = len(input_ids) - 1
+            while sequence_ids[token_end_index] != 1:
+                token_end_index -= 1
+            if not (offsets[token_start_index][0] <= start_char and offsets[token_end_index][1] >= end_char):
+                out["start_positions"].append(cls_index)
+                out["end_positions"].append(cls_index)
+            else:
+                while token_start_index < len(offsets) and offsets[token_start_index][0] <= start_char:
+                    token_start_index += 1
+                out["start_positions"].append(token_start_index - 1)
+                while offsets[token_end_index][1] >= end_char:
+                    token_end_index -= 1
+                out["end_positions"].append(token_end_index + 1)
+    else:
+        out["example_id"], out["offset_mapping"] = [], []
+        for i in range(len(out["input_ids"])):
+            sequence_ids = enc.sequence_ids(i)
+            out["example_id"].append(examples[sample_mapping[i]].id)
+            out["offset_mapping"].append([o if sequence_ids[k] == 1 else None
+                                          for k, o in enumerate(offset_mapping[i])])
+    return out
+
+
+def postprocess_qa_predictions(examples, features: dict, start_logits, end_logits, n_best_size: int = N_BEST,
+                               max_answer_length: int = MAX_ANSWER) -> dict[str, str]:
+    """utils_qa.py postprocess_qa_predictions for v1.1 (version_2_with_negative=False)."""
+    import numpy as np
+
+    example_id_to_index = {e.id: i for i, e in enumerate(examples)}
+    features_per_example = collections.defaultdict(list)
+    for i, eid in enumerate(features["example_id"]):
+        features_per_example[example_id_to_index[eid]].append(i)
+    all_predictions = collections.OrderedDict()
+    for example_index, example in enumerate(examples):
+        prelim = []
+        for feature_index in features_per_example[example_index]:
+            s, e = start_logits[feature_index], end_logits[feature_index]
+            offset_mapping = features["offset_mapping"][feature_index]
+            start_indexes = np.argsort(s)[-1: -n_best_size - 1: -1].tolist()
+            end_indexes = np.argsort(e)[-1: -n_best_size - 1: -1].tolist()
+            for si in start_indexes:
+                for ei in end_indexes:
+                    if (si >= len(offset_mapping) or ei >= len(offset_mapping) or offset_mapping[si] is None
+                            or len(offset_mapping[si]) < 2 or offset_mapping[ei] is None
+                            or len(offset_mapping[ei]) < 2):
+                        continue
+                    if ei < si or ei - si + 1 > max_answer_length:
+                        continue
+                    prelim.append({"offsets": (offset_mapping[si][0], offset_mapping[ei][1]),
+                                   "score": s[si] + e[ei]})
+        preds = sorted(prelim, key=lambda x: x["score"], reverse=True)[:n_best_size]
+        context = example.context
+        texts = [context[p["offsets"][0]:p["offsets"][1]] for p in preds]
+        if not texts or (len(texts) == 1 and texts[0] == ""):
+            texts.insert(0, "empty")
+        all_predictions[example.id] = texts[0]
+    return all_predictions
+
+
+def hf_worker(argv: list[str]) -> int:
+    """One Trainer run as run_qa.py does it; writes one JSON of measurements (and predictions)."""
+    p = argparse.ArgumentParser(prog="compare_hf_squad.py _hf-worker")
+    p.add_argument("--train-file", required=True)
+    p.add_argument("--dev-file", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--scratch", required=True)
+    p.add_argument("--padding", choices=("max_length", "dynamic"), required=True)
+    p.add_argument("--group-by-length", action="store_true")
+    p.add_argument("--seed", type=int, required=True)
+    p.add_argument("--threads", type=int, default=THREADS)
+    p.add_argument("--max-steps", type=int, default=None)
+    p.add_argument("--epochs", type=float, default=EPOCHS)
+    p.add_argument("--warmup-steps-excluded", type=int, default=5)
+    p.add_argument("--do-eval", action="store_true")
+    a = p.parse_args(argv)
+    t_process = time.perf_counter()
+
+    import numpy as np
+    import torch
+    import transformers
+    from transformers import (AutoModelForQuestionAnswering, DataCollatorWithPadding, Trainer, TrainerCallback,
+                              TrainingArguments, default_data_collator)
+
+    from hpcbert.data.squad import read_squad
+    from hpcbert.data.squad_metrics import evaluate_v1
+    from hpcbert.zoo import minilm_dir
+
+    torch.set_num_threads(a.threads)
+    tok = _hf_tokenizer()
+    pad = a.padding == "max_length"
+    _, train_ex = read_squad(a.train_file)
+    tf = hf_features(train_ex, train=True, tok=tok, padding=pad)
+    keys = ("input_ids", "token_type_ids", "attention_mask", "start_positions", "end_positions")
+    train_ds = [{k: tf[k][i] for k in keys} for i in range(len(tf["input_ids"]))]
+    # run_qa.py: default_data_collator when pad_to_max_length, else DataCollatorWithPadding (no multiple of 8 in fp32)
+    collator = default_data_collator if pad else DataCollatorWithPadding(tok)
+
+    transformers.set_seed(a.seed)  # the new span head is drawn from this seed
+    model = AutoModelForQuestionAnswering.from_pretrained(str(minilm_dir()))
+    total = a.max_steps or math.ceil(a.epochs * math.ceil(len(train_ds) / BATCH))
+    warm = round(WARMUP_RATIO * total)  # hpcbert's rule, given to the Trainer as an integer
+    args = TrainingArguments(
+        output_dir=a.scratch, per_device_train_batch_size=BATCH, per_device_eval_batch_size=EVAL_BATCH,
+        learning_rate=LR, weight_decay=WEIGHT_DECAY, adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=ADAM_EPS,
+        max_grad_norm=MAX_GRAD_NORM, lr_scheduler_type="linear", warmup_steps=warm, num_train_epochs=a.epochs,
+        max_steps=a.max_steps if a.max_steps else -1, eval_strategy="no", save_strategy="no", report_to="none",
+        dataloader_num_workers=0, seed=a.seed, logging_strategy="steps", logging_steps=10, disable_tqdm=True,
+        optim="adamw_torch_fused", use_cpu=not torch.cuda.is_available(),
+        # group_by_length=True in transformers < 5; the same LengthGroupedSampler here.
+        train_sampling_strategy="group_by_length" if a.group_by_length else "random",
+    )
+    torch.set_num_threads(a.threads)
+
+    class StepTimer(TrainerCallback):
+        def __init__(self):
+            self.begin, self.end, self.threads = [], [], None
+
+        def on_train_begin(self, args, state, control, **kw):
+            self.threads = torch.get_num_threads()
+
+        def on_step_begin(self, args, state, control, **kw):
+            self.begin.append(time.perf_counter())
+
+        def on_step_end(self, args, state, control, **kw):
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            self.end.append(time.perf_counter())
+
+    class TimedTrainer(Trainer):
+        """Records when each step's batch fetch starts, and the batches' shapes (as compare_hf.py)."""
+        def __init__(self, *args, **kw):
+            super().__init__(*args, **kw)
+            self.fetch_start, self.shapes, self.real_tokens = [], [], []
+
+        def get_batch_samples(self, epoch_iterator, num_batches, device):
+            t = time.perf_counter()
+            batches, n = super().get_batch_samples(epoch_iterator, num_batches, device)
+            if batches:
+                self.fetch_start.append(t)
+                self.shapes.append([tuple(b["input_ids"].shape) for b in batches])
+                self.real_tokens.append(sum(int(b["attention_mask"].sum()) for b in batches))
+            return batches, n
+
+    timer = StepTimer()
+    trainer = TimedTrainer(model=model, args=args, train_dataset=train_ds, data_collator=collator,
+                           processing_class=tok, callbacks=[timer])
+    t_train = time.perf_counter()
+    train_out = trainer.train()
+    t_done = time.perf_counter()
+
+    n = len(timer.end)
+    w = min(a.warmup_steps_excluded, max(0, n - 1))
+    full = [timer.end[i] - trainer.fetch_start[i] for i in range(n)]
+    cb = [timer.end[i] - timer.begin[i] for i in range(n)]
+    seqs = [sum(s[0] for s in trainer.shapes[i]) for i in range(n)]
+    padded = [sum(s[0] * s[1] for s in trainer.shapes[i]) for i in range(n)]
+    steady = sum(seqs[w:])
+    result = {
+        "side": "transformers.Trainer", "padding": a.padding, "group_by_length": a.group_by_length,
+        "precision": PRECISION, "seed": a.seed, "optim": str(getattr(args.optim, "value", args.optim)),
+        "sampler": args.train_sampling_strategy, "attn_implementation": getattr(model.config, "_attn_implementation", None),
+        "train_windows": len(train_ds), "warmup_steps": warm, "total_steps": total, "steps": n,
+        "warmup_steps_excluded": w, "threads": timer.threads,
+        "steady_sequences_per_sec": steady / sum(full[w:]) if n > w else None,
+        "callback_sequences_per_sec": steady / sum(cb[w:]) if n > w else None,
+        "padded_tokens_per_seq": sum(padded[w:]) / steady if n > w else None,
+        "real_tokens_per_seq": sum(trainer.real_tokens[w:n]) / steady if n > w else None,
+        "steady_step_time_s": float(np.median(full[w:])) if n > w else None,
+        "step_times": full, "callback_step_times": cb, "step_sequences": seqs, "step_padded_tokens": padded,
+        "step_real_tokens": trainer.real_tokens[:n], "startup_s": t_train - t_process, "train_s": t_done - t_train,
+        "train_loss": train_out.training_loss,
+        "final_loss": next((h["loss"] for h in reversed(trainer.state.log_history) if "loss" in h), None),
+        "eval": {},
+    }
+    if a.do_eval:
+        t0 = time.perf_counter()
+        _, dev_ex = read_squad(a.dev_file)
+        vf = hf_features(dev_ex, train=False, tok=tok, padding=pad)
+        inputs = [{k: vf[k][i] for k in ("input_ids", "token_type_ids", "attention_mask")}
+                  for i in range(len(vf["input_ids"]))]
+        start, end = trainer.predict(inputs).predictions  # (n, T) each, padded with -100 across batches
+        preds = postprocess_qa_predictions(dev_ex, vf, start, end)
+        r = evaluate_v1(dev_ex, preds)
+        result["eval"] = {"dev": {"exact_match": r["exact_match"], "f1": r["f1"], "windows": len(inputs)}}
+        result["eval_s"] = time.perf_counter() - t0
+        (Path(a.scratch) / "predictions.json").write_text(json.dumps(preds, indent=4) + "\n")
+    C.write_json(Path(a.out), result)
+    return 0
+
+
+def hf_run(name: str, work: Path, train: Path, dev: Path, out_json: Path, *, padding: str, group_by_length: bool,
+           seed: int, max_steps: int | None = None, do_eval: bool = False, warmup_excluded: int = 5) -> dict:
+    cmd = [sys.executable, str(Path(__file__).resolve()), "_hf-worker", "--train-file", str(train), "--dev-file",
+           str(dev), "--out", str(out_json), "--scratch", str(work / "hf-scratch" / name), "--padding", padding,
+           "--seed", str(seed), "--threads", str(THREADS), "--warmup-steps-excluded", str(warmup_excluded)]
+    if group_by_length:
+        cmd.append("--group-by-length")
+    if max_steps is not None:
+        cmd += ["--max-steps", str(max_steps)]
+    if do_eval:
+        cmd.append("--do-eval")
+    say(f"trainer {name}: padding={padding} group_by_length={group_by_length} seed={seed}")
+    noise = C.run_logged(cmd, work / "logs" / f"hf-{name}.log", THREADS)
+    r = C.read_json(out_json)
+    r.update(wall_s=noise["wall_s"], noise=noise)
+    return r
+
+
+# ----------------------------------------------------------------------------------------------
+# the hpcbert side
+# ----------------------------------------------------------------------------------------------
+
+def hpcbert_args(train: Path, dev: Path, seed: int, *, max_steps: int | None = None, do_eval: bool = False,
+                 extra: list[str] | None = None) -> list[str]:
+    a = ["--task", "squad", "--train-file", str(train), "--dev-file", str(dev), "--model", MODEL,
+         "--max-seq-length", str(SEQ_LEN), "--doc-stride", str(STRIDE), "--max-query-length", str(QUERY_LEN),
+         "--batch-size", str(BATCH), "--lr", str(LR), "--optimizer", "adamw", "--weight-decay", str(WEIGHT_DECAY),
+         "--warmup-ratio", str(WARMUP_RATIO), "--max-grad-norm", str(MAX_GRAD_NORM), "--precision", PRECISION,
+         "--seed", str(seed), "--eval-batch-size", str(EVAL_BATCH), "--n-best-size", str(N_BEST),
+         "--max-answer-length", str(MAX_ANSWER)]
+    a += ["--max-steps", str(max_steps)] if max_steps else ["--epochs", f"{EPOCHS:g}"]
+    a += ["--do-eval" if do_eval else "--no-do-eval", *(extra or [])]
+    return a
+
+
+# ----------------------------------------------------------------------------------------------
+# accuracy: one (side, seed) per call
+# ----------------------------------------------------------------------------------------------
+
+def cmd_accuracy(a) -> int:
+    results, work = Path(a.results_dir), Path(a.work_dir)
+    train, dev = split_files(work)
+    sides = [a.side] if a.side else ["hpcbert", "hf"]
+    seeds = [a.seed] if a.seed is not None else list(SEEDS)
+    for seed in seeds:
+        for side in sides:
+            path = results / "accuracy" / f"{side}-seed{seed}.json"
+            if path.is_file():
+                say(f"{path.name}: already done, skipped")
+                continue
+            name = f"acc-{side}-seed{seed}"
+            rec = header("accuracy")
+            if side == "hpcbert":
+                s = C.hpcbert_run(name, work, THREADS, hpcbert_args(train, dev, seed, do_eval=True))
+                r = C.hpcbert_record(s)
+                ev = r["eval"]["dev"]
+                rec.update(side=side, seed=seed, exact_match=ev["exact_match"], f1=ev["f1"], eval_loss=ev["loss"],
+                           unrecoverable_answers=ev.get("unrecoverable_answers"), final_loss=r["final_loss"],
+                           steps=r["steps"], train_windows=s["sequences"] / max(s["epochs_done"], 1e-9),
+                           steady_sequences_per_sec=r["steady_sequences_per_sec"],
+                           padded_tokens_per_seq=r["padded_tokens_per_seq"], wall_s=r["wall_s"], run_dir=r["run_dir"],
+                           argv=r["argv"], sampler="length-grouped", padding="dynamic", noise=r["noise"])
+            else:
+                r = hf_run(name, work, train, dev, work / "hf-json" / f"{name}.json", padding="dynamic",
+                           group_by_length=True, seed=seed, do_eval=True)
+                ev = r["eval"]["dev"]
+                rec.update(side=side, seed=seed, exact_match=ev["exact_match"], f1=ev["f1"],
+                           final_loss=r["final_loss"], steps=r["steps"], train_windows=r["train_windows"],
+                           steady_sequences_per_sec=r["steady_sequences_per_sec"],
+                           padded_tokens_per_seq=r["padded_tokens_per_seq"], wall_s=r["wall_s"], optim=r["optim"],
+                           sampler=r["sampler"], padding=r["padding"], warmup_steps=r["warmup_steps"],
+                           noise=r["noise"])
+            C.write_json(path, rec)
+            say(f"{path.name}: EM {rec['exact_match']:.2f}, F1 {rec['f1']:.2f} ({rec['wall_s']:.0f} s)")
+    return 0
+
+
+# ----------------------------------------------------------------------------------------------
+# throughput: one interleaved pair per call (short, under /work/tools/quiet)
+# ----------------------------------------------------------------------------------------------
+
+def cmd_throughput(a) -> int:
+    results, work = Path(a.results_dir), Path(a.work_dir)
+    train, dev = split_files(work)
+    path = results / "throughput.json"
+    doc = C.read_json(path) if path.is_file() else {
+        "kind": "throughput", "settings": {"steps": a.steps, "warmup_steps_excluded": a.warmup_excluded,
+                                           "batch_size": BATCH, "max_seq_length": SEQ_LEN, "threads": THREADS,
+                                           "precision": PRECISION, "seed": 42}, "calls": [], "runs": []}
+    s = doc["settings"]
+    if (s["steps"], s["warmup_steps_excluded"]) != (a.steps, a.warmup_excluded):
+        sys.exit(f"compare_hf_squad: {path} was measured with --steps {s['steps']} --warmup-excluded "
+                 f"{s['warmup_steps_excluded']}; use those (or another --results-dir)")
+    (hp_label, hp_extra), (hf_label, hf_how) = PAIRS[a.pair]
+    call = header("throughput")
+    call.update(pair=a.pair, repeat=a.repeat)
+    doc["calls"].append(call)
+    # Alternate which side runs first from repeat to repeat, so slow drift hits both alike.
+    order = ("hpcbert", "hf") if a.repeat % 2 else ("hf", "hpcbert")
+    for side in order:
+        name = f"tp-{a.pair}-{side}-r{a.repeat}"
+        if side == "hpcbert":
+            rec = C.hpcbert_record(C.hpcbert_run(name, work, THREADS, hpcbert_args(
+                train, dev, s["seed"], max_steps=a.steps,
+                extra=["--warmup-steps-excluded", str(a.warmup_excluded), "--log-every", "1", *hp_extra])))
+            rec["label"] = hp_label
+        else:
+            rec = hf_run(name, work, train, dev, work / "hf-json" / f"{name}.json", seed=s["seed"],
+                         max_steps=a.steps, warmup_excluded=a.warmup_excluded, **hf_how)
+            rec["label"] = hf_label
+        rec.update(pair=a.pair, repeat=a.repeat, side=side, command=call["command"])
+        doc["runs"] = [r for r in doc["runs"] if (r["pair"], r["repeat"], r["side"]) != (a.pair, a.repeat, side)]
+        doc["runs"].append(rec)
+        say(f"  {name}: {rec['steady_sequences_per_sec']:.3f} seq/s, {rec['padded_tokens_per_seq']:.1f} padded "
+            f"tokens/seq (other work: {rec['noise']['other_cores_during']:.2f} cores)")
+        C.write_json(path, doc)
+    return 0
+
+
+def throughput_summary(doc: dict) -> list[dict]:
+    """Per pair (and hpcbert defaults vs Trainer defaults across pairs): the per-repeat ratio of
+    training sequences/s, and its median."""
+    runs = doc["runs"]
+    by = {(r["pair"], r["side"], r["repeat"]): r for r in runs}
+    combos = [("dynamic", "dynamic", "equal batches, each side's best (headline)"),
+              ("max", "max", "equal batches, padded to 384"),
+              ("dynamic", "max", "hpcbert defaults vs Trainer defaults")]
+    out = []
+    for hp_pair, hf_pair, what in combos:
+        reps = sorted(r for (p, side, r) in by if p == hp_pair and side == "hpcbert" and (hf_pair, "hf", r) in by)
+        if not reps:
+            continue
+        hp = [by[(hp_pair, "hpcbert", r)] for r in reps]
+        hf = [by[(hf_pair, "hf", r)] for r in reps]
+        ratios = [x["steady_sequences_per_sec"] / y["steady_sequences_per_sec"] for x, y in zip(hp, hf)]
+        out.append({"comparison": what, "hpcbert_label": hp[0]["label"], "hf_label": hf[0]["label"],
+                    "repeats": reps, "hpcbert_seq_s": [x["steady_sequences_per_sec"] for x in hp],
+                    "hf_seq_s": [y["steady_sequences_per_sec"] for y in hf], "ratios": ratios,
+                    "ratio_median": statistics.median(ratios),
+                    "hpcbert_padded_tokens_per_seq": statistics.mean(x["padded_tokens_per_seq"] for x in hp),
+                    "hf_padded_tokens_per_seq": statistics.mean(y["padded_tokens_per_seq"] for y in hf),
+                    "headline": hp_pair == hf_pair == "dynamic"})
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# render
+# ----------------------------------------------------------------------------------------------
+
+def _fmt(xs, f="{:.2f}") -> str:
+    return ", ".join(f.format(x) for x in xs)
+
+
+def render_data(doc: dict) -> str:
+    from hpcbert.report import markdown_grid
+    rows = []
+    for name, s in doc["splits"].items():
+        rows.append([name, s["file"], str(s["articles"]), str(s["questions"]), str(s["hpcbert_windows"]),
+                     str(s["hf_windows"]), f"{s['hpcbert_real_tokens_per_window']:.1f} / {s['hf_real_tokens_per_window']:.1f}",
+                     f"{s['unrecoverable']} ({s['truncated']} cut by windowing, {s['unmatched']} not on token "
+                     f"boundaries)"])
+    lines = [markdown_grid(["split", "file", "articles", "questions", "hpcbert windows (stride = step 128)",
+                            "Trainer windows (stride = overlap 128)", "tokens/window hpcbert / Trainer",
+                            "unrecoverable answers (hpcbert)"], rows).rstrip("\n")]
+    lines += ["", "Unrecoverable: answerable questions whose gold answer no window's target reproduces exactly "
+                  "(hpcbert's count, `SquadFeatures.unrecoverable`): an answer no window holds whole, or one "
+                  "annotated inside a word piece (e.g. 'gold' in 'golden'), which reads back as the whole token. "
+                  "The same questions are scored normally at evaluation (a prediction can still match another "
+                  "reference answer)."]
+    return "\n".join(lines)
+
+
+def render_accuracy(runs: list[dict]) -> str:
+    from hpcbert.report import markdown_grid, mean_std
+    rows, stats = [], {}
+    for side, label in (("hpcbert", "hpcbert (dynamic padding, length-grouped sampler)"),
+                        ("hf", "transformers.Trainer (run_qa.py processing; dynamic padding, group_by_length, "
+                               "adamw_torch_fused)")):
+        rs = sorted((r for r in runs if r["side"] == side), key=lambda r: r["seed"])
+        if not rs:
+            continue
+        em_m, em_s = mean_std([r["exact_match"] for r in rs])
+        f1_m, f1_s = mean_std([r["f1"] for r in rs])
+        stats[side] = f1_m
+        rows.append([label, ", ".join(str(r["seed"]) for r in rs), _fmt([r["exact_match"] for r in rs]),
+                     _fmt([r["f1"] for r in rs]), f"{em_m:.2f} ± {em_s:.2f}", f"**{f1_m:.2f} ± {f1_s:.2f}**",
+                     f"{statistics.mean(r['steps'] for r in rs):.0f}",
+                     f"{statistics.mean(r['wall_s'] for r in rs) / 60:.1f}"])
+    lines = [markdown_grid(["side", "seeds", "exact match per seed", "F1 per seed", "EM mean ± std",
+                            "F1 mean ± std", "optimizer steps", "wall min (mean)"], rows).rstrip("\n")]
+    if len(stats) == 2:
+        d = stats["hpcbert"] - stats["hf"]
+        ok = abs(d) <= F1_TARGET or d > 0
+        lines += ["", f"F1 hpcbert − Trainer: **{d:+.2f} points** (target: within {F1_TARGET} points of the Trainer's "
+                      f"mean): **{'MET' if ok else 'NOT MET'}**. std is the sample std over seeds."]
+    lines += ["", "Commands (one run each, under `/work/tools/shared nice -n 10`):", ""]
+    lines += [f"- `{r['command']}` ({r['date']}): EM {r['exact_match']:.2f}, F1 {r['f1']:.2f}"
+              for r in sorted(runs, key=lambda r: (r["seed"], r["side"]))]
+    lines += ["", "hpcbert's run directories (config.json, summary.json, predictions.json, nbest_predictions.json) "
+                  "and the Trainer's predictions.json are under `runs/compare_hf_squad/` (not committed). The "
+                  "same seed is not the same run on the two sides (different generators draw the head and the "
+                  "order): compare means and spreads."]
+    return "\n".join(lines)
+
+
+def render_throughput(doc: dict) -> str:
+    from hpcbert.report import markdown_grid
+    s = doc["settings"]
+    lines = [f"Training sequences/s (windows/s), {MODEL}, batch {s['batch_size']}, max length {s['max_seq_length']}, "
+             f"{s['threads']} threads, {s['precision']}; {s['steps']} steps per run, the first "
+             f"{s['warmup_steps_excluded']} excluded, on both sides timed from the step's batch fetch to the end "
+             f"of its optimizer step (compare_hf.py's span). Ratio = hpcbert / Trainer within a repeat (the two "
+             f"runs of a pair ran back to back in one call), median over repeats.", ""]
+    rows = []
+    for c in throughput_summary(doc):
+        rows.append([c["comparison"], c["hpcbert_label"], c["hf_label"], _fmt(c["hpcbert_seq_s"]),
+                     _fmt(c["hf_seq_s"]), f"{c['hpcbert_padded_tokens_per_seq']:.1f} / {c['hf_padded_tokens_per_seq']:.1f}",
+                     _fmt(c["ratios"]) + "x", f"**{c['ratio_median']:.2f}x**"])
+    lines.append(markdown_grid(["comparison", "hpcbert", "Trainer", "hpcbert seq/s per repeat",
+                                "Trainer seq/s per repeat", "padded tokens/seq hpcbert / Trainer",
+                                "ratio per repeat", "ratio (median)"], rows).rstrip("\n"))
+    head = next((c for c in throughput_summary(doc) if c["headline"]), None)
+    if head:
+        lines += ["", f"Headline (equal batches of {s['batch_size']}, each side's dynamic padding with length "
+                      f"grouping): **{head['ratio_median']:.2f}x** (target ≥ {SPEED_TARGET}x): "
+                      f"**{'MET' if head['ratio_median'] >= SPEED_TARGET else 'NOT MET'}**."]
+    lines += ["", C.load_line(doc["runs"], s["threads"], doc["calls"][0]["machine"]["cores"]) if doc["calls"] else ""]
+    lines += ["", "Commands (each under `/work/tools/quiet`, which keeps tests and accuracy runs off the machine "
+                  "while it runs):", ""]
+    lines += [f"- `{c['command']}` ({c['date']})" for c in doc["calls"]]
+    lines += ["", "Every run, in the order it ran:", "", markdown_grid(
+        ["pair", "repeat", "side", "seq/s", "padded tokens/seq", "other-work cores during the run"],
+        [[r["pair"], str(r["repeat"]), r["label"], f"{r['steady_sequences_per_sec']:.3f}",
+          f"{r['padded_tokens_per_seq']:.1f}", f"{r['noise']['other_cores_during']:.2f}"] for r in doc["runs"]]).rstrip("\n")]
+    return "\n".join(lines)
+
+
+def render_readme(results: Path) -> str:
+    results = Path(results)
+    out = ["# SQuAD v1.1: hpcbert vs the Hugging Face Trainer", "",
+           "Generated by `python benchmarks/compare_hf_squad.py render` from the JSON files in this folder; every "
+           "figure comes from the runs the commands below started.", "",
+           f"Both sides: {MODEL} (pretrained BertModel, new span head), the official SQuAD v1.1 dev file split by "
+           f"article (first {TRAIN_ARTICLES} articles train, last {TRAIN_ARTICLES} evaluate), max length {SEQ_LEN}, "
+           f"doc stride {STRIDE}, batch {BATCH}, lr {LR:g}, AdamW (fused, both sides), weight decay {WEIGHT_DECAY}, "
+           f"linear warm-up {WARMUP_RATIO:g} then decay, {EPOCHS:g} epochs, {PRECISION} (this CPU has no native "
+           f"bf16: emulated bf16 is ~100x slower, so the figures are fp32), n-best {N_BEST}, answers ≤ "
+           f"{MAX_ANSWER} tokens, {THREADS} threads. Each side windows the contexts as its users expect: hpcbert as "
+           f"Google's run_squad.py (question ≤ {QUERY_LEN} tokens, window starts {STRIDE} tokens apart), the "
+           f"Trainer as transformers' run_qa.py (the tokenizer's overflow windows, {STRIDE} tokens of overlap); "
+           "its pre- and post-processing (prepare_train_features, prepare_validation_features, "
+           "postprocess_qa_predictions) are re-implemented in the script from the example. Both are scored with "
+           "the official v1.1 exact match and F1.", ""]
+    sections = [("Data", "data.json", lambda d: render_data(d)),
+                ("Throughput", "throughput.json", render_throughput)]
+    for title, fname, fn in sections:
+        out += [f"## {title}", ""]
+        path = results / fname
+        if not path.is_file():
+            out += [f"Not measured yet (`{fname}` is missing).", ""]
+            continue
+        doc = C.read_json(path)
+        if "command" in doc:
+            out += ["```", doc["command"], "```", "", f"Measured {doc['date']} on {C._machine_line(doc)}.", ""]
+        elif doc.get("calls"):
+            out += [f"Measured {doc['calls'][0]['date']} to {doc['calls'][-1]['date']} on "
+                    f"{C._machine_line(doc['calls'][0])}.", ""]
+        out += [fn(doc), ""]
+    out += ["## Accuracy", ""]
+    runs = [C.read_json(p) for p in sorted((results / "accuracy").glob("*.json"))]
+    if runs:
+        out += [f"Measured on {C._machine_line(runs[0])}.", "", render_accuracy(runs), ""]
+    else:
+        out += ["Not measured yet (`accuracy/*.json` is missing).", ""]
+    return "\n".join(out)
+
+
+def cmd_render(a) -> int:
+    text = render_readme(Path(a.results_dir))
+    (Path(a.results_dir) / "README.md").write_text(text)
+    print(text)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "_hf-worker":  # hidden: one Trainer run in its own process
+        C.use_hpcbert(None)
+        return hf_worker(argv[1:])
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True)
+
+    def common(sp):
+        sp.add_argument("--results-dir", default=str(DEFAULT_RESULTS), help="(default: %(default)s)")
+        sp.add_argument("--work-dir", default=str(DEFAULT_WORK), help="split files, run directories, logs "
+                        "(default: %(default)s)")
+        sp.add_argument("--hpcbert-rev", default=None, help="run the hpcbert of this git commit (git archive) "
+                        "instead of the working tree's BERT/")
+
+    sp = sub.add_parser("prepare", help="write the by-article split and count its windows (data.json)")
+    common(sp)
+    sp.set_defaults(fn=cmd_prepare)
+    sp = sub.add_parser("accuracy", help="EM/F1 after 2 epochs; one (side, seed) per call, done ones skipped")
+    common(sp)
+    sp.add_argument("--side", choices=("hpcbert", "hf"), default=None, help="default: both")
+    sp.add_argument("--seed", type=int, default=None, help=f"default: {', '.join(map(str, SEEDS))}")
+    sp.set_defaults(fn=cmd_accuracy)
+    sp = sub.add_parser("throughput", help="one repeat of one interleaved pair (hpcbert, Trainer)")
+    common(sp)
+    sp.add_argument("--pair", choices=tuple(PAIRS), required=True)
+    sp.add_argument("--repeat", type=int, required=True)
+    sp.add_argument("--steps", type=int, default=40)
+    sp.add_argument("--warmup-excluded", type=int, default=5)
+    sp.set_defaults(fn=cmd_throughput)
+    sp = sub.add_parser("render", help="results/squad/README.md from the JSON files")
+    sp.add_argument("--results-dir", default=str(DEFAULT_RESULTS))
+    sp.set_defaults(fn=cmd_render)
+    a = p.parse_args(argv)
+    C.use_hpcbert(getattr(a, "hpcbert_rev", None))
+    return a.fn(a)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
