@@ -34,6 +34,7 @@ import math
 import os
 import shlex
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -247,6 +248,9 @@ def hf_worker(argv: list[str]) -> int:
     p.add_argument("--epochs", type=float, default=EPOCHS)
     p.add_argument("--warmup-steps-excluded", type=int, default=5)
     p.add_argument("--do-eval", action="store_true")
+    p.add_argument("--deadline", type=float, default=None,
+                   help="epoch seconds: stop training before it with a checkpoint in --scratch and exit 3 "
+                        "(the same command resumes from it)")
     a = p.parse_args(argv)
     t_process = time.perf_counter()
 
@@ -280,7 +284,7 @@ def hf_worker(argv: list[str]) -> int:
         max_grad_norm=MAX_GRAD_NORM, lr_scheduler_type="linear", warmup_steps=warm, num_train_epochs=a.epochs,
         max_steps=a.max_steps if a.max_steps else -1, eval_strategy="no", save_strategy="no", report_to="none",
         dataloader_num_workers=0, seed=a.seed, logging_strategy="steps", logging_steps=10, disable_tqdm=True,
-        optim="adamw_torch_fused", use_cpu=not torch.cuda.is_available(),
+        optim="adamw_torch_fused", use_cpu=not torch.cuda.is_available(), save_total_limit=1,
         # group_by_length=True in transformers < 5; the same LengthGroupedSampler here.
         train_sampling_strategy="group_by_length" if a.group_by_length else "random",
     )
@@ -316,12 +320,26 @@ def hf_worker(argv: list[str]) -> int:
                 self.real_tokens.append(sum(int(b["attention_mask"].sum()) for b in batches))
             return batches, n
 
+    class Deadline(TrainerCallback):
+        """Accuracy runs in segments: before a step that would end past --deadline, save a checkpoint
+        (optimizer, scheduler, RNG, position) and stop; trainer.train(resume_from_checkpoint) goes on."""
+        def on_step_end(self, args, state, control, **kw):
+            done = timer.end[-1] - timer.begin[0] if timer.end else 0.0
+            per_step = done / len(timer.end) if timer.end else 0.0
+            if a.deadline and time.time() + 1.5 * per_step > a.deadline and state.global_step < state.max_steps:
+                control.should_save = True
+                control.should_training_stop = True
+
     timer = StepTimer()
     trainer = TimedTrainer(model=model, args=args, train_dataset=train_ds, data_collator=collator,
-                           processing_class=tok, callbacks=[timer])
+                           processing_class=tok, callbacks=[timer, Deadline()])
+    ckpts = sorted(Path(a.scratch).glob("checkpoint-*"), key=lambda q: int(q.name.split("-")[1]))
     t_train = time.perf_counter()
-    train_out = trainer.train()
+    train_out = trainer.train(resume_from_checkpoint=str(ckpts[-1]) if ckpts else None)
     t_done = time.perf_counter()
+    if trainer.state.global_step < total:
+        say(f"stopped at step {trainer.state.global_step}/{total} before the deadline; run again to resume")
+        return 3
 
     n = len(timer.end)
     w = min(a.warmup_steps_excluded, max(0, n - 1))
@@ -399,45 +417,106 @@ def hpcbert_args(train: Path, dev: Path, seed: int, *, max_steps: int | None = N
 
 
 # ----------------------------------------------------------------------------------------------
-# accuracy: one (side, seed) per call
+# accuracy: one (side, seed) per call, in resumable segments
 # ----------------------------------------------------------------------------------------------
 
+def run_segment(cmd: list[str], log: Path, env: dict) -> tuple[int, dict]:
+    """Run `cmd` from the project root, appending to `log`; returns (exit status, noise)."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    b0, o0, t0 = C._cpu_busy_s(), C._own_cpu_s(), time.perf_counter()
+    with open(log, "a") as f:
+        f.write(f"$ {shlex.join(cmd)}\n")
+        f.flush()
+        rc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT).returncode
+    wall = time.perf_counter() - t0
+    other = max(0.0, (C._cpu_busy_s() - b0 - (C._own_cpu_s() - o0)) / wall)
+    return rc, {"other_cores_during": other, "wall_s": wall, "waited_for_quiet_s": 0.0, "other_cores_before": None}
+
+
+def accuracy_segment(side: str, seed: int, work: Path, train: Path, dev: Path, segment_s: float) -> dict | None:
+    """One segment of the (side, seed) accuracy run: at most `segment_s` of training, then a checkpoint
+    (hpcbert: HPCBERT_JOB_DEADLINE + --resume auto; Trainer: its own checkpoint + resume_from_checkpoint),
+    so each call stays short and timed measurements get the machine between calls. The finished run's
+    figures, or None while it is not finished. Segments' wall times add up in work/progress/."""
+    name = f"acc-{side}-seed{seed}"
+    progress_path = work / "progress" / f"{name}.json"
+    progress = C.read_json(progress_path) if progress_path.is_file() else {"segments": []}
+    env = C.child_env(THREADS)
+    env["HPCBERT_JOB_DEADLINE"] = str(time.time() + segment_s)
+    if side == "hpcbert":
+        out = work / "hpcbert" / name
+        if not (out / "checkpoints").is_dir():
+            C.fresh_dir(out)
+            progress = {"segments": []}
+        args = hpcbert_args(train, dev, seed, do_eval=True)
+        cmd = [sys.executable, "-m", "hpcbert.cli", "train", *args, "--threads", str(THREADS), "--out", str(out),
+               "--resume", "auto"]
+    else:
+        scratch = work / "hf-scratch" / name
+        out_json = work / "hf-json" / f"{name}.json"
+        if not scratch.is_dir() or not any(scratch.glob("checkpoint-*")):
+            C.fresh_dir(scratch)
+            progress = {"segments": []}
+        cmd = [sys.executable, str(Path(__file__).resolve()), "_hf-worker", "--train-file", str(train),
+               "--dev-file", str(dev), "--out", str(out_json), "--scratch", str(scratch), "--padding", "dynamic",
+               "--group-by-length", "--seed", str(seed), "--threads", str(THREADS), "--do-eval",
+               "--deadline", env["HPCBERT_JOB_DEADLINE"]]
+    say(f"{name}: segment {len(progress['segments']) + 1} ({segment_s / 60:.0f} min of training at most)")
+    rc, noise = run_segment(cmd, work / "logs" / f"{name}.log", env)
+    if rc not in (0, 3):
+        tail = (work / "logs" / f"{name}.log").read_text().splitlines()[-30:]
+        sys.exit(f"compare_hf_squad: {name} failed (exit {rc}):\n" + "\n".join(tail))
+    progress["segments"].append(noise)
+    C.write_json(progress_path, progress)
+    wall = sum(x["wall_s"] for x in progress["segments"])
+    known = [x for x in progress["segments"] if x["other_cores_during"] is not None]
+    noise_all = {"other_cores_during": sum(x["other_cores_during"] * x["wall_s"] for x in known)
+                 / sum(x["wall_s"] for x in known), "wall_s": wall, "waited_for_quiet_s": 0.0, "other_cores_before": None}
+    base = {"side": side, "seed": seed, "segments": len(progress["segments"]), "wall_s": wall, "noise": noise_all}
+    if side == "hpcbert":
+        from hpcbert.runfiles import read_summary
+        s = read_summary(out)
+        if s["stopped_by"] not in ("epochs", "max_steps"):
+            return None
+        ev = s["eval"]["dev"]
+        return {**base, "exact_match": ev["exact_match"], "f1": ev["f1"], "eval_loss": ev["loss"],
+                "unrecoverable_answers": ev.get("unrecoverable_answers"), "final_loss": s["final_loss"],
+                "steps": s["steps"], "train_windows": round(s["sequences"] / s["epochs_done"]),
+                "steady_sequences_per_sec": s["steady_sequences_per_sec"], "run_dir": os.path.relpath(out, ROOT),
+                "argv": ["hpcbert", "train", *args, "--threads", str(THREADS)], "sampler": "length-grouped",
+                "padding": "dynamic", "resumed_from_step": s["resumed_from_step"]}
+    if rc == 3:
+        return None
+    r = C.read_json(out_json)
+    ev = r["eval"]["dev"]
+    return {**base, "exact_match": ev["exact_match"], "f1": ev["f1"], "final_loss": r["final_loss"],
+            "steps": r["total_steps"], "train_windows": r["train_windows"], "optim": r["optim"],
+            "sampler": r["sampler"], "padding": r["padding"], "warmup_steps": r["warmup_steps"],
+            "predictions": os.path.relpath(scratch / "predictions.json", ROOT)}
+
+
 def cmd_accuracy(a) -> int:
+    """One segment of each requested (side, seed) run not yet done; exit 3 while one is unfinished."""
     results, work = Path(a.results_dir), Path(a.work_dir)
     train, dev = split_files(work)
     sides = [a.side] if a.side else ["hpcbert", "hf"]
     seeds = [a.seed] if a.seed is not None else list(SEEDS)
+    unfinished = 0
     for seed in seeds:
         for side in sides:
             path = results / "accuracy" / f"{side}-seed{seed}.json"
             if path.is_file():
                 say(f"{path.name}: already done, skipped")
                 continue
-            name = f"acc-{side}-seed{seed}"
-            rec = header("accuracy")
-            if side == "hpcbert":
-                s = C.hpcbert_run(name, work, THREADS, hpcbert_args(train, dev, seed, do_eval=True))
-                r = C.hpcbert_record(s)
-                ev = r["eval"]["dev"]
-                rec.update(side=side, seed=seed, exact_match=ev["exact_match"], f1=ev["f1"], eval_loss=ev["loss"],
-                           unrecoverable_answers=ev.get("unrecoverable_answers"), final_loss=r["final_loss"],
-                           steps=r["steps"], train_windows=s["sequences"] / max(s["epochs_done"], 1e-9),
-                           steady_sequences_per_sec=r["steady_sequences_per_sec"],
-                           padded_tokens_per_seq=r["padded_tokens_per_seq"], wall_s=r["wall_s"], run_dir=r["run_dir"],
-                           argv=r["argv"], sampler="length-grouped", padding="dynamic", noise=r["noise"])
-            else:
-                r = hf_run(name, work, train, dev, work / "hf-json" / f"{name}.json", padding="dynamic",
-                           group_by_length=True, seed=seed, do_eval=True)
-                ev = r["eval"]["dev"]
-                rec.update(side=side, seed=seed, exact_match=ev["exact_match"], f1=ev["f1"],
-                           final_loss=r["final_loss"], steps=r["steps"], train_windows=r["train_windows"],
-                           steady_sequences_per_sec=r["steady_sequences_per_sec"],
-                           padded_tokens_per_seq=r["padded_tokens_per_seq"], wall_s=r["wall_s"], optim=r["optim"],
-                           sampler=r["sampler"], padding=r["padding"], warmup_steps=r["warmup_steps"],
-                           noise=r["noise"])
-            C.write_json(path, rec)
-            say(f"{path.name}: EM {rec['exact_match']:.2f}, F1 {rec['f1']:.2f} ({rec['wall_s']:.0f} s)")
-    return 0
+            rec = accuracy_segment(side, seed, work, train, dev, a.segment_minutes * 60)
+            if rec is None:
+                unfinished += 1
+                say(f"{side} seed {seed}: not finished; run the same command again to continue")
+                continue
+            C.write_json(path, {**header("accuracy"), **rec})
+            say(f"{path.name}: EM {rec['exact_match']:.2f}, F1 {rec['f1']:.2f} ({rec['wall_s']:.0f} s in "
+                f"{rec['segments']} segment(s))")
+    return 3 if unfinished else 0
 
 
 # ----------------------------------------------------------------------------------------------
@@ -669,6 +748,9 @@ def main(argv: list[str] | None = None) -> int:
     common(sp)
     sp.add_argument("--side", choices=("hpcbert", "hf"), default=None, help="default: both")
     sp.add_argument("--seed", type=int, default=None, help=f"default: {', '.join(map(str, SEEDS))}")
+    sp.add_argument("--segment-minutes", type=float, default=20,
+                    help="training per call; the run checkpoints and the next call resumes (exit 3 until done; "
+                         "default: %(default)s)")
     sp.set_defaults(fn=cmd_accuracy)
     sp = sub.add_parser("throughput", help="one repeat of one interleaved pair (hpcbert, Trainer)")
     common(sp)
