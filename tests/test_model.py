@@ -98,7 +98,7 @@ def test_missing_weights_file_is_a_clear_error(tmp_path):
 
 
 def test_unknown_model_name_lists_accepted():
-    with pytest.raises(ValueError, match="minilm-l6, bert-tiny, bert-base, bert-large"):
+    with pytest.raises(ValueError, match="minilm-l6, bert-tiny, bert-mini, bert-small, bert-medium, bert-base, bert-large"):
         zoo.resolve("bert-hueg")
 
 

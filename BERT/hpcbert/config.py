@@ -112,9 +112,9 @@ class RunConfig:
     regression: bool = False
     """classify: the labels are numbers (one output, MSE loss, Pearson and Spearman) instead of classes."""
     model: str = "minilm-l6"
-    """Named model (minilm-l6 pretrained; bert-tiny, bert-base, bert-large random init) or a Hugging Face-format directory."""
+    """Named model (minilm-l6 pretrained; bert-tiny, bert-mini, bert-small, bert-medium, bert-base, bert-large random init) or a Hugging Face-format directory (with config.json but no weights: that shape, random init)."""
     tokenizer: str | None = None
-    """Tokenizer directory or file (vocab.txt / tokenizer.json). Default: the model's own, or minilm-l6's uncased vocabulary for random models."""
+    """Tokenizer directory or file (vocab.txt / tokenizer.json). Default: the model's own, or minilm-l6's uncased vocabulary for random models. A random model's word embeddings are sized to this vocabulary."""
     max_seq_length: int = 128
     """Longest tokenised sequence; longer inputs are truncated (longest first)."""
 
@@ -218,7 +218,7 @@ class RunConfig:
     do_eval: bool = True
     """Evaluate on the dev split(s) after training."""
     save_model: bool = True
-    """Write the final weights (RUN_DIR/model.safetensors, Hugging Face names) at the end; hpcbert export RUN_DIR turns them into a Hugging Face directory."""
+    """Write the final weights at the end of a run (not of one stopped early) as a Hugging Face directory, RUN_DIR/model (config.json, model.safetensors, tokenizer files): --model RUN_DIR/model fine-tunes it, hpcbert export RUN_DIR --out DIR copies it."""
     checkpoint_every: float | None = None
     """Save a checkpoint every this much wall-clock time ('20m', '600'); off when not given."""
     checkpoint_steps: int | None = None
