@@ -21,7 +21,8 @@ from .config import parse_grad_ckpt
 
 # One epoch of the synthetic task (128 steps at batch 32), cut by the 50 s time box on a small CPU:
 # the LR schedule (10% warm-up) is that of the epoch, so even a short box trains at full LR.
-DEFAULTS = dict(model="minilm-l6", task="synthetic", time_budget="50s", epochs=1.0, lr=5e-5, log_every=5)
+DEFAULTS = dict(model="minilm-l6", task="synthetic", time_budget="50s", epochs=1.0, lr=5e-5, log_every=5,
+                save_model=False)  # measurements: no final model to write
 DEFAULT_POLICIES = "none,alternate,all"
 
 

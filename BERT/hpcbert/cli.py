@@ -5,6 +5,7 @@
     hpcbert report RUN_DIR... [opts]   tables and an HTML report from run directories
     hpcbert submit [opts] -- [train]   render a PBS Pro / Torque / Slurm job script and submit it
     hpcbert prepare-pretraining IN...  raw text -> sharded token arrays for masked-LM pre-training
+    hpcbert export RUN_DIR --out DIR   a run's model as a Hugging Face directory
 """
 
 from __future__ import annotations
@@ -27,6 +28,9 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] == "prepare-pretraining":
         from .data import pretrain
         return pretrain.cli(argv[1:])
+    if argv and argv[0] == "export":
+        from . import export
+        return export.cli(argv[1:])
 
     parser = argparse.ArgumentParser(prog="hpcbert", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -39,6 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("report", help="tables and an HTML report from run directories (see hpcbert report --help)")
     sub.add_parser("submit", help="render a PBS Pro / Torque / Slurm job script and submit it (see hpcbert submit --help)")
     sub.add_parser("prepare-pretraining", help="raw text -> sharded token arrays (see hpcbert prepare-pretraining --help)")
+    sub.add_parser("export", help="a run's model as a Hugging Face directory (see hpcbert export --help)")
 
     ns = parser.parse_args(argv)
     from .dist import StartupError  # torch is imported here, not for report / submit / prepare-pretraining

