@@ -321,3 +321,39 @@ def test_bad_input_exits_2_with_one_line_naming_the_file(squad_files, tmp_path):
     assert not (tmp_path / "run").exists()  # a run that cannot start leaves no directory
     r = hpcbert(["--task", "squad", "--model", "bert-tiny", "--out", tmp_path / "run"])
     assert r.returncode == 2 and r.stderr.strip().count("\n") == 0 and "train_file" in r.stderr, r.stderr
+
+
+@slow
+def test_exported_qa_run_loads_in_transformers_and_reproduces_its_predictions(v1_run, squad_files, tmp_path):
+    """hpcbert export RUN_DIR -> transformers' BertForQuestionAnswering: its logits on the dev
+    windows (tokenised with the exported vocabulary) give the run's own predictions.json, and the
+    start/end logits the run wrote in nbest_predictions.json within 1e-4."""
+    from transformers import BertForQuestionAnswering as HFQA
+
+    from hpcbert.data.features import load_tokenizer
+    from hpcbert.data.squad import build_features, predict_answers
+
+    hf_dir = tmp_path / "hf"
+    r = subprocess.run([sys.executable, "-m", "hpcbert.cli", "export", str(v1_run), "--out", str(hf_dir)],
+                       env=run_env(), capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert json.loads((hf_dir / "config.json").read_text())["architectures"] == ["BertForQuestionAnswering"]
+    model = HFQA.from_pretrained(hf_dir).eval()
+    _, examples = read_squad(squad_files / "dev.json")
+    f = build_features(examples, load_tokenizer(hf_dir, 64), 64, 16, 16)
+    T = max(map(len, f.input_ids))
+    ids = torch.zeros(len(f), T, dtype=torch.long)
+    types = torch.zeros_like(ids)
+    mask = torch.zeros_like(ids)
+    for w, (x, t) in enumerate(zip(f.input_ids, f.type_ids)):
+        ids[w, :len(x)], types[w, :len(x)], mask[w, :len(x)] = torch.from_numpy(x.astype(np.int64)), \
+            torch.from_numpy(t.astype(np.int64)), 1
+    with torch.no_grad():
+        out = model(input_ids=ids, attention_mask=mask, token_type_ids=types)
+    preds, nbest, _ = predict_answers(examples, f, out.start_logits.numpy(), out.end_logits.numpy(), version="1.1")
+    assert preds == json.loads((v1_run / "predictions.json").read_text())
+    theirs = json.loads((v1_run / "nbest_predictions.json").read_text())
+    for q in preds:
+        assert [c["text"] for c in nbest[q]] == [c["text"] for c in theirs[q]]
+        for k in ("start_logit", "end_logit"):
+            assert np.allclose([c[k] for c in nbest[q]], [c[k] for c in theirs[q]], atol=1e-4), (q, k)
