@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import fcntl
+import inspect
 import os
 import sys
 from pathlib import Path
@@ -11,6 +13,11 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "BERT"))  # the package source root, for runs without `pip install -e`
 SHARED_GLUE = ROOT.parent / "shared" / "data" / "glue"
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # Each of the two workers (see the end of this file) has one core: torch in the worker and the
+    # programs it starts use one thread unless told otherwise. Two workers with two OpenMP threads
+    # each on two cores ran in-process torch tests up to 40x slower (spinning threads).
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 @pytest.fixture(autouse=True)
@@ -39,3 +46,51 @@ def run_env() -> dict:
     env["PYTHONPATH"] = str(ROOT / "BERT") + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     env.setdefault("OMP_NUM_THREADS", "1")
     return env
+
+
+# --- two workers (pytest-xdist: `-n 2 --dist loadgroup` in pyproject's addopts) ------------------
+# Tests that use a module- or session-scoped fixture defined under tests/ run in one worker, so the
+# fixture's work (a training run, a cluster) is done once: they get an xdist_group mark here, unless
+# they carry one already (tests/test_slurm*.py: one Slurm cluster at a time). Tests marked `alone`
+# time a run against a clock: while one runs, no test runs in the other worker (a gate and a
+# shared/exclusive lock in this run's temp dir, the alone test first in line).
+
+TESTS = Path(__file__).resolve().parent
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the marks
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.get_closest_marker("xdist_group"):
+            continue
+        shared = []
+        for name in item.fixturenames:
+            defs = item._fixtureinfo.name2fixturedefs.get(name)
+            if not defs or defs[-1].scope == "function":
+                continue
+            try:
+                here = Path(inspect.getsourcefile(defs[-1].func)).resolve().is_relative_to(TESTS)
+            except TypeError:  # no source file
+                continue
+            if here:
+                shared.append(item.module.__name__ if defs[-1].scope == "module" else name)
+        if shared:
+            item.add_marker(pytest.mark.xdist_group(min(shared)))
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        yield
+        return
+    # xdist gives each worker BASETEMP/<worker id>; the parent is this run's, shared by the workers.
+    d = item.config._tmp_path_factory.getbasetemp().parent
+    with open(d / "alone.gate", "a") as gate, open(d / "alone.lock", "a") as lock:
+        fcntl.flock(gate, fcntl.LOCK_EX)  # wait while an alone test runs or waits to
+        if item.get_closest_marker("alone"):
+            fcntl.flock(lock, fcntl.LOCK_EX)  # the gate stays held: nothing new starts meanwhile
+        else:
+            fcntl.flock(lock, fcntl.LOCK_SH)
+            fcntl.flock(gate, fcntl.LOCK_UN)
+        yield  # setup (module fixtures included), call, teardown
+    # closing the files released the locks

@@ -75,6 +75,7 @@ def test_mfu_is_formula_flops_over_the_measured_step_times_and_the_recorded_peak
         assert 0 < expected <= 1 and s["mfu"] == pytest.approx(expected, rel=1e-6)
 
 
+@pytest.mark.alone
 def test_time_budget_stops_the_run_and_counts_what_ran(tmp_path):
     out = tmp_path / "run"
     budget = 15.0
@@ -143,6 +144,7 @@ def test_user_errors_exit_2_naming_the_field(tmp_path):
     assert r.returncode == 2 and "nowhere" in r.stderr and "Traceback" not in r.stderr
 
 
+@pytest.mark.alone
 def test_bench_runs_one_time_boxed_run_per_policy_and_prints_the_table(tmp_path):
     out = tmp_path / "bench"
     r = hpcbert("bench", "--model", "bert-tiny", "--policies", "none,all", "--time-budget", "9s",

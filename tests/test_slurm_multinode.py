@@ -19,7 +19,7 @@ from conftest import ROOT
 from hpcbert.runfiles import read_metrics, read_summary
 from slurm_cluster import slurm_two_nodes  # noqa: F401  (the session fixture)
 
-pytestmark = [pytest.mark.slow, pytest.mark.root]
+pytestmark = [pytest.mark.slow, pytest.mark.root, pytest.mark.xdist_group("slurm")]  # one cluster at a time
 
 BOOTSTRAP = ROOT / "multinode_communication" / "bootstrap.sh"
 

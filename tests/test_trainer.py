@@ -123,6 +123,7 @@ def test_lr_schedule_warmup_then_linear_decay_and_refit():
     assert s(1) == 1.0 and s(6) == pytest.approx(4 / 8) and s(10) == 0.0
 
 
+@pytest.mark.alone
 def test_a_time_boxed_run_decays_to_zero_inside_its_box(tmp_path):
     # Planned: 3 epochs of 4096 examples (1536 steps); the 20 s box (start-up included) holds far fewer.
     out = tmp_path / "run"
