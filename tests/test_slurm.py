@@ -21,7 +21,7 @@ from hpcbert.checkpoint import CheckpointManager
 from hpcbert.runfiles import read_metrics, read_summary
 from slurm_cluster import slurm_cluster  # noqa: F401  (the session fixture)
 
-pytestmark = [pytest.mark.slow, pytest.mark.root]
+pytestmark = [pytest.mark.slow, pytest.mark.root, pytest.mark.xdist_group("slurm")]  # one cluster, one worker
 
 BOOTSTRAP = ROOT / "multinode_communication" / "bootstrap.sh"
 # The bootstrap's interface, one node only, honouring HPCBERT_WRAPPER (the container prefix) the way
@@ -182,9 +182,10 @@ def test_the_same_script_submitted_again_without_out_continues_the_run(slurm_clu
     (--exclusive), and its one worker every core of it."""
     train = ["--model", "bert-tiny", "--task", "synthetic", "--max-steps", "100000", "--batch-size", "32",
              "--log-every", "5", "--checkpoint-steps", "1000", "--no-do-eval"]
-    # Deadline 30 s after the job starts (start-up takes about 5 s on a quiet 2-core machine).
+    # Deadline 20 s after the job starts (start-up takes about 5 s on a quiet 2-core machine, 10 s
+    # beside the other test worker), as in the walltime test below.
     first = submit(["--scheduler", "slurm", "--nodes", "1", "--gpus-per-node", "0", "--walltime", "00:01:00",
-                    "--stop-margin", "30", "--job-name", "resume-me", "--out-script", "job.sbatch", "--", *train],
+                    "--stop-margin", "40", "--job-name", "resume-me", "--out-script", "job.sbatch", "--", *train],
                    job_env, tmp_path)
     info = slurm_cluster.wait(first, timeout=120)
     assert (info["JobState"], info["ExitCode"]) == ("COMPLETED", "0:0"), job_output(tmp_path)
