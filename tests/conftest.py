@@ -53,7 +53,8 @@ def run_env() -> dict:
 # fixture's work (a training run, a cluster) is done once: they get an xdist_group mark here, unless
 # they carry one already (tests/test_slurm*.py: one Slurm cluster at a time). Tests marked `alone`
 # time a run against a clock: while one runs, no test runs in the other worker (a gate and a
-# shared/exclusive lock in this run's temp dir, the alone test first in line).
+# shared/exclusive lock in this run's temp dir, the alone test first in line). So do `gpu` tests
+# where there is a GPU: they share the device and some probe how much of its memory is free.
 
 TESTS = Path(__file__).resolve().parent
 
@@ -78,6 +79,11 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.xdist_group(min(shared)))
 
 
+def _cuda() -> bool:
+    import torch
+    return torch.cuda.is_available()
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
     if not os.environ.get("PYTEST_XDIST_WORKER"):
@@ -87,7 +93,7 @@ def pytest_runtest_protocol(item, nextitem):
     d = item.config._tmp_path_factory.getbasetemp().parent
     with open(d / "alone.gate", "a") as gate, open(d / "alone.lock", "a") as lock:
         fcntl.flock(gate, fcntl.LOCK_EX)  # wait while an alone test runs or waits to
-        if item.get_closest_marker("alone"):
+        if item.get_closest_marker("alone") or (item.get_closest_marker("gpu") and _cuda()):
             fcntl.flock(lock, fcntl.LOCK_EX)  # the gate stays held: nothing new starts meanwhile
         else:
             fcntl.flock(lock, fcntl.LOCK_SH)
