@@ -97,10 +97,19 @@ def run(tmp_path, inputs, out="out", *extra, tok=None, capsys=None):
     return hpcbert_main(argv)
 
 
-def documents_in_order(prep: pretrain.Prepared) -> list[list[int]]:
-    """All documents of both splits, back in corpus order (eval ids say where eval documents were)."""
-    train = [s.document(j).tolist() for s in prep.splits["train"] for j in range(len(s.offsets) - 1)]
-    ev = [s.document(j).tolist() for s in prep.splits["eval"] for j in range(len(s.offsets) - 1)]
+def _lines(s: pretrain.Shard, j: int) -> list[list[int]]:
+    """Document j of a shard as its lines' token lists (line offsets inside the document)."""
+    a, b = s.offsets[j], s.offsets[j + 1]
+    cuts = [c for c in s.lines.tolist() if a <= c < b] + [b]
+    return [s.tokens[x:y].tolist() for x, y in zip(cuts, cuts[1:])]
+
+
+def documents_in_order(prep: pretrain.Prepared, lines: bool = False) -> list[list[int]]:
+    """All documents of both splits, back in corpus order (eval ids say where eval documents were);
+    with lines=True each document is a list of its lines."""
+    doc = _lines if lines else (lambda s, j: s.document(j).tolist())
+    train = [doc(s, j) for s in prep.splits["train"] for j in range(len(s.offsets) - 1)]
+    ev = [doc(s, j) for s in prep.splits["eval"] for j in range(len(s.offsets) - 1)]
     ids = set(prep.metadata["eval_document_ids"])
     out, ti, ei = [], iter(train), iter(ev)
     for i in range(len(train) + len(ev)):
@@ -121,12 +130,15 @@ def test_plain_text_tokens_dropped_counts_and_split(tmp_path, tok_dir, reference
     prep = pretrain.load_prepared(tmp_path / "out", verify_sha256=True)
     meta = prep.metadata
     assert meta["dropped"] == {"title_lines": 0, "stub_documents": 0, "empty_documents": 1, "heading_lines": 2,
-                               "replaced_bytes": 0, "empty_after_tokenisation": 0}
+                               "replaced_bytes": 0, "empty_after_tokenisation": 0,
+                               "empty_lines_after_tokenisation": 0}
     assert meta["dtype"] == "uint16" and meta["tokenizer"]["vocab_size"] == 30522
     assert prep.splits["train"][0].tokens.dtype == np.uint16
     assert isinstance(prep.splits["train"][0].tokens, np.memmap)
     expected = [reference(d) for d in PLAIN_DOCS]
     assert documents_in_order(prep) == expected  # every token once, in document order
+    assert documents_in_order(prep, lines=True) == [[reference([ln]) for ln in d] for d in PLAIN_DOCS]
+    assert meta["splits"]["train"]["lines"] + meta["splits"]["eval"]["lines"] == 6
     assert len(meta["eval_document_ids"]) == 1 and meta["splits"]["eval"]["documents"] == 1
     assert meta["splits"]["train"]["documents"] == 2
     total = sum(map(len, expected))
@@ -137,8 +149,8 @@ def test_plain_text_tokens_dropped_counts_and_split(tmp_path, tok_dir, reference
     assert src_meta["bytes"] == len(PLAIN.encode()) and src_meta["format"] == "plain"
     import hashlib
     assert src_meta["sha256"] == hashlib.sha256(PLAIN.encode()).hexdigest()
-    from hpcbert.data.features import load_tokenizer, tokenizer_fingerprint
-    fp = tokenizer_fingerprint(load_tokenizer(tok_dir, 128))
+    from hpcbert.data.features import load_tokenizer
+    fp = pretrain.tokenizer_sha256(load_tokenizer(tok_dir, 64))[:16]  # any truncation length: the same
     assert meta["tokenizer"]["sha256"].startswith(fp)
     pretrain.load_prepared(tmp_path / "out", tokenizer_sha256=fp)
 
@@ -154,9 +166,12 @@ def test_wikiextractor_titles_stubs_and_directory_input(tmp_path, tok_dir, refer
     assert [s["path"] for s in meta["sources"]] == [str(d / "wiki_00"), str(d / "wiki_01")]
     assert all(s["format"] == "wikiextractor" and s["documents"] == 2 for s in meta["sources"])
     assert meta["dropped"] == {"title_lines": 8, "stub_documents": 4, "empty_documents": 2, "heading_lines": 0,
-                               "replaced_bytes": 0, "empty_after_tokenisation": 0}
+                               "replaced_bytes": 0, "empty_after_tokenisation": 0,
+                               "empty_lines_after_tokenisation": 0}
     assert documents_in_order(prep) == [reference(x) for x in WIKI_DOCS * 2]
-    assert meta["splits"]["eval"] == {"documents": 0, "tokens": 0, "expected_sequences": 0, "shards": []}
+    assert documents_in_order(prep, lines=True) == [[reference([ln]) for ln in d] for d in WIKI_DOCS * 2]
+    assert meta["splits"]["eval"] == {"documents": 0, "lines": 0, "tokens": 0, "expected_sequences": 0,
+                                      "shards": []}
 
 
 def test_same_input_same_bytes_any_workers_and_split_by_seed(tmp_path, tok_dir, monkeypatch):

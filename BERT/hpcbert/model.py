@@ -267,6 +267,78 @@ class BertForQuestionAnswering(BertHeadModel):
         return start, end
 
 
+class BertPredictionHeadTransform(nn.Module):
+    """dense H -> H, the encoder's activation, LayerNorm: HF's cls.predictions.transform."""
+
+    def __init__(self, c: BertConfig):
+        super().__init__()
+        self.dense = nn.Linear(c.hidden_size, c.hidden_size)
+        self.approximate = "none" if c.hidden_act == "gelu" else "tanh"
+        self.LayerNorm = nn.LayerNorm(c.hidden_size, eps=c.layer_norm_eps)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.LayerNorm(F.gelu(self.dense(x), approximate=self.approximate))
+
+
+class BertLMPredictionHead(nn.Module):
+    """transform, then the vocabulary projection `decoder` whose weight is the word embeddings
+    (tied by the model) and whose bias is `bias` (HF: cls.predictions.bias)."""
+
+    def __init__(self, c: BertConfig):
+        super().__init__()
+        self.transform = BertPredictionHeadTransform(c)
+        self.decoder = nn.Linear(c.hidden_size, c.vocab_size)
+        self.bias = nn.Parameter(torch.zeros(c.vocab_size))
+        self.decoder.bias = self.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.decoder(self.transform(x))  # (..., H) -> (..., V)
+
+
+class BertPreTrainingHeads(nn.Module):
+    """HF's `cls`: the masked-LM head, and the next-sentence head on the pooled [CLS] where used."""
+
+    def __init__(self, c: BertConfig, nsp: bool):
+        super().__init__()
+        self.predictions = BertLMPredictionHead(c)
+        self.seq_relationship = nn.Linear(c.hidden_size, 2) if nsp else None
+
+
+class BertForMaskedLM(BertHeadModel):
+    """BERT + the masked-LM head, no pooler: HF's BertForMaskedLM, so its weights load and save by
+    name. With `mlm_positions` the vocabulary projection runs only at those positions: the hidden
+    states of the masked tokens are gathered first (15% of the tokens), so the (tokens x V)
+    projection, the largest matrix product of a small BERT, shrinks by the same factor."""
+
+    # Copies of other parameters (HF's attribute): saved once, under the source's name.
+    _tied_weights_keys = ["cls.predictions.decoder.weight", "cls.predictions.decoder.bias"]
+    nsp = False
+
+    def __init__(self, c: BertConfig):
+        super().__init__(c, with_pooler=self.nsp)
+        self.cls = BertPreTrainingHeads(c, self.nsp)
+        self.apply(self._init_weights)
+        self.cls.predictions.decoder.weight = self.bert.embeddings.word_embeddings.weight  # tied, as BERT
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                token_type_ids: torch.Tensor | None = None, mlm_positions: torch.Tensor | None = None):
+        """-> logits (B, T, V) at every position, or (m, V) at `mlm_positions` (m,), flat indices
+        b*T + t into the batch; BertForPreTraining adds the next-sentence logits (B, 2)."""
+        x, pooled = self.bert(input_ids, attention_mask, token_type_ids)  # (B, T, H)
+        if mlm_positions is not None:
+            x = x.reshape(-1, x.shape[-1]).index_select(0, mlm_positions)  # (m, H)
+        logits = self.cls.predictions(x)
+        if not self.nsp:
+            return logits
+        return logits, self.cls.seq_relationship(pooled)
+
+
+class BertForPreTraining(BertForMaskedLM):
+    """BERT + masked-LM and next-sentence heads (pooler kept): HF's BertForPreTraining."""
+
+    nsp = True
+
+
 def flops_per_sequence(c: BertConfig, seq_len: int) -> float:
     """Training FLOPs of the encoder for one sequence: 3 * L * (8*s*h^2 + 4*s*h*I + 4*s^2*h),
     which is the familiar 3 * L * (24*s*h^2 + 4*s^2*h) when the feed-forward width I is 4h.
@@ -312,7 +384,13 @@ class LoadReport:
 
 def load_pretrained(model: BertHeadModel, model_dir: str | Path) -> LoadReport:
     """Copy an HF-format checkpoint into `model`, reporting every key that did not match by name."""
-    raw = load_state_dict_file(model_dir)
+    return load_weights(model, load_state_dict_file(model_dir))
+
+
+def load_weights(model: BertHeadModel, raw: dict[str, torch.Tensor]) -> LoadReport:
+    """Copy a state dict (HF names, or this module's own) into `model`, reporting every key that did
+    not match by name. A tied copy (`_tied_weights_keys`) is not missing: it is its source."""
+    tied = set(getattr(model, "_tied_weights_keys", None) or ())
     own = model.state_dict()
     src: dict[str, torch.Tensor] = {}
     unexpected, mismatched, mismatched_own = [], [], set()
@@ -327,7 +405,7 @@ def load_pretrained(model: BertHeadModel, model_dir: str | Path) -> LoadReport:
             mismatched_own.add(k2)
         else:
             src[k2] = v
-    missing = sorted(k for k in own if k not in src and k not in mismatched_own)
+    missing = sorted(k for k in own if k not in src and k not in mismatched_own and k not in tied)
     model.load_state_dict(src, strict=False)
     return LoadReport(missing=missing, unexpected=sorted(unexpected), mismatched=sorted(mismatched))
 

@@ -16,9 +16,10 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 # Keys each schema version added; a summary of an older version reads with them as null (not measured).
-ADDED_IN = {2: ("tf32", "lr_horizon_steps", "lr_horizon_source", "nonfinite_grad_steps")}
+ADDED_IN = {2: ("tf32", "lr_horizon_steps", "lr_horizon_source", "nonfinite_grad_steps"),
+            3: ("time_to_target_s", "steps_to_target", "tokens_to_target")}
 
 # summary.json keys and their meaning (units in the name where there is one). A figure that cannot
 # be measured on a device is null, never zero.
@@ -68,7 +69,7 @@ SUMMARY_KEYS: dict[str, str] = {
     "time_budget_s": "wall-clock budget from process start (null: none)",
     "steps_in_budget": "optimizer steps that finished inside the budget (null: no budget)",
     "sequences_in_budget": "sequences of those steps (null: no budget)",
-    "stopped_by": "max_steps, epochs, time_budget, job_deadline, stop_file or signal",
+    "stopped_by": "max_steps, epochs, time_budget, job_deadline, stop_file, signal or target (--target-mlm-accuracy reached)",
     "activation_bytes_per_sequence": "bytes saved for backward per sequence at max_seq_length, measured with saved-tensor hooks (difference of batch 2 and batch 1)",
     "peak_memory_bytes": "CUDA allocator peak (GPU) or process peak RSS (CPU)",
     "peak_memory_kind": "cuda_max_allocated or process_max_rss",
@@ -77,6 +78,9 @@ SUMMARY_KEYS: dict[str, str] = {
     "peak_flops_source": "where peak_flops came from",
     "mfu": "model_flops_per_sec / peak_flops",
     "final_loss": "mean training loss over the last logged window",
+    "time_to_target_s": "--target-mlm-accuracy: seconds from the start of the run (all segments, start-up and evaluations included, as MLPerf's time to train) to the end of the first evaluation that reached it; null: not reached or no target",
+    "steps_to_target": "optimizer steps done at that evaluation (null: not reached)",
+    "tokens_to_target": "real (non-pad) training tokens done at that evaluation (null: not reached)",
     "eval": "{split: {metric: value}} on the dev split(s); {} when not evaluated",
     "main_metric": "the task's headline metric name (f1, accuracy, mcc, pearson)",
     "per_rank_step_time_s": "{min, median, max, slowest_rank, per_rank} of every rank's median steady step time (s), gathered by a collective; null without steady steps",
@@ -87,6 +91,9 @@ SUMMARY_KEYS: dict[str, str] = {
 
 METRIC_KEYS = ("step", "epoch", "loss", "lr", "grad_norm", "step_time_s", "sequences_per_sec",
                "tokens_per_sec", "elapsed_s")
+# An evaluation during training (--eval-every) is a line of its own: step, epoch, "loss" null, "eval"
+# {split: {metric: value}}, tokens_seen and sequences_seen (training tokens / sequences done), elapsed_s
+# (this segment) and run_time_s (seconds from the start of the run, all segments).
 
 
 def write_text_atomic(path: str | os.PathLike, text: str) -> None:

@@ -70,5 +70,6 @@ class StopConditions:
         return None
 
 
-# Reasons in the order ranks agree on them (the highest code any rank reports wins).
-REASONS = (None, "time_budget", "job_deadline", "stop_file", "signal")
+# Reasons in the order ranks agree on them (the highest code any rank reports wins). "target"
+# (--target-mlm-accuracy reached) is decided after an evaluation, by every rank alike, never posted.
+REASONS = (None, "time_budget", "job_deadline", "stop_file", "signal", "target")

@@ -29,7 +29,7 @@ from . import PROCESS_START, __version__, batching, dist, meters, objectives, po
 from .checkpoint import Checkpoint, CheckpointError, CheckpointManager
 from .config import RESUMABLE_CHANGES, RunConfig
 from .data.features import epoch_order, global_batches, shard
-from .model import flops_per_sequence, load_pretrained
+from .model import flops_per_sequence, load_pretrained, load_state_dict_file, load_weights
 from .optim import make_optimizer
 from .runfiles import SCHEMA_VERSION, MetricsWriter, write_json_atomic, write_text_atomic
 from .stopping import REASONS, StopConditions
@@ -66,6 +66,8 @@ class LoopState:
     lr_horizon: int | None = None  # step at which the LR reaches 0 (fitted to the time box, or planned)
     lr_warmup: int | None = None   # LR warm-up steps belonging to that horizon
     lr_horizon_source: str | None = None
+    tokens: int = 0                # real (non-pad) training tokens done
+    target: dict | None = None     # --target-mlm-accuracy reached: {step, tokens, time_s, value}
 
 
 @dataclass
@@ -86,11 +88,13 @@ class StepRecord:
 
 
 class LRSchedule:
-    """LR multiplier: linear warm-up 0 -> 1 over `warmup` steps, then linear decay 1 -> 0 at `horizon`.
+    """LR multiplier: linear warm-up 0 -> 1 over `warmup` steps, then decay 1 -> 0 at `horizon`:
+    (1 - progress) ** power over the steps after the warm-up (power 1: linear; --lr-decay poly
+    --poly-power p: HF's polynomial decay with lr_end 0, NVIDIA's BERT LAMB schedule with p = 0.5).
     `refit` moves the horizon (and the warm-up with it) once, for a schedule fitted to the time box."""
 
-    def __init__(self, warmup: int, horizon: int):
-        self.warmup, self.horizon = warmup, horizon
+    def __init__(self, warmup: int, horizon: int, power: float = 1.0):
+        self.warmup, self.horizon, self.power = warmup, horizon, power
 
     def refit(self, warmup: int, horizon: int) -> None:
         self.warmup, self.horizon = warmup, horizon
@@ -98,7 +102,7 @@ class LRSchedule:
     def __call__(self, step: int) -> float:
         if step < self.warmup:
             return (step + 1) / self.warmup
-        return max(0.0, (self.horizon - step) / max(1, self.horizon - self.warmup))
+        return max(0.0, (self.horizon - step) / max(1, self.horizon - self.warmup)) ** self.power
 
 
 class Progress:
@@ -142,6 +146,9 @@ class Trainer:
     def __init__(self, cfg: RunConfig, d: dist.Dist, objective: objectives.Objective):
         self.d, self.obj = d, objective
         objective.check(cfg)  # options the task cannot use fail here, before any file is read
+        if cfg.target_mlm_accuracy is not None and objective.main_metric != "mlm_accuracy":
+            raise ValueError(f"target_mlm_accuracy: task {cfg.task!r} has no masked-LM accuracy (its main metric is "
+                             f"{objective.main_metric}); it is for --task mlm")
         self.src = zoo.resolve(cfg.model, cfg.tokenizer)
         # Files are rank 0's decisions: the run directory (a default one is timestamped) ...
         self.run_dir = Path(dist.decide(d, lambda: str(Path(cfg.out) if cfg.out else default_run_dir(cfg))))
@@ -152,6 +159,9 @@ class Trainer:
         self.resume_from: Checkpoint | None = dist.decide(d, self._find_checkpoint)
 
         self.train_set, self.dev = self._load_data()
+        if (cfg.eval_every or cfg.target_mlm_accuracy is not None) and not self.dev:
+            raise ValueError(f"{'eval_every' if cfg.eval_every else 'target_mlm_accuracy'}: evaluates during "
+                             f"training, but this run has nothing to evaluate on (--no-do-eval, or no dev split)")
         self.raw = self._build_model()
         self.precision = policies.resolve_precision(cfg.precision, d.device)
         self.tf32 = policies.enable_tf32(self.precision, d.device)
@@ -179,10 +189,13 @@ class Trainer:
                 model, device_ids=[d.local_rank] if d.device.type == "cuda" else None, bucket_cap_mb=25)
         self.model = policies.maybe_compile(model, cfg.compile)
         self.optimizer = make_optimizer(cfg, self.raw, self.plan.lr, d.device)
-        self.schedule = LRSchedule(self.plan.warmup_steps, self.plan.total_steps)
+        self.schedule = LRSchedule(self.plan.warmup_steps, self.plan.total_steps,
+                                   cfg.poly_power if cfg.lr_decay == "poly" else 1.0)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self.schedule)
         self.scaler = policies.grad_scaler(self.precision, d.device)
         self.meter, self.state = meters.StepMeter(), LoopState()
+        self.writer: MetricsWriter | None = None
+        self.evaluated_at: tuple[int, dict] | None = None  # (step, metrics) of the latest evaluation
         self.data_fp = self.train_set.fingerprint()
         self.last_saved_step: int | None = None
         torch.manual_seed(cfg.seed + 1000 * d.rank)  # dropout differs per rank, as in any DDP run
@@ -260,7 +273,42 @@ class Trainer:
             log(d, f"model {cfg.model}: RANDOM weights ({mcfg.num_hidden_layers} layers, {mcfg.hidden_size} wide), "
                    f"for throughput work or training from scratch"
                    + (f"; {src.vocab_note}" if src.vocab_note else ""))
+        if cfg.init_from and self.resume_from is None:
+            self._init_from(model)
+        elif cfg.init_from:
+            log(d, f"init_from: not read; resuming from {self.resume_from.path}, this run's own weights")
         return model.to(d.device)
+
+    def _init_from(self, model: nn.Module) -> None:
+        """--init-from: the model weights of an earlier run (its final model, else its newest complete
+        checkpoint) or of one checkpoint directory, by name; optimizer, LR schedule and loop start
+        afresh. Rank 0 chooses (and verifies) the file; every rank reads it."""
+        from .export import locate
+
+        def find() -> tuple[str, str]:
+            try:
+                kind, where = locate(Path(self.cfg.init_from))
+                if kind == "checkpoint":
+                    CheckpointManager(where.parent).verify(where)
+            except ValueError as e:
+                raise ValueError(f"init_from: {e}") from None
+            return kind, str(where)
+
+        kind, where = dist.decide(self.d, find)
+        state = (load_state_dict_file(where) if kind == "model" else
+                 torch.load(Path(where) / "shared.pt", map_location="cpu", weights_only=False)["model"])
+        rep = load_weights(model, state)
+        lacking = [k for k in rep.missing if k.startswith(("bert.embeddings.", "bert.encoder."))]
+        if rep.mismatched or lacking:
+            raise ValueError(f"init_from: {where} does not hold the encoder of model {self.cfg.model!r} ("
+                             + "; ".join(f"{what}: {', '.join(names[:4])}{' ...' if len(names) > 4 else ''}"
+                                         for what, names in (("other shapes", rep.mismatched), ("missing", lacking))
+                                         if names)
+                             + "); give --model the shape it was trained with")
+        log(self.d, f"init_from: model weights of {where} (weights only: optimizer, LR schedule and step start "
+                    f"afresh)" + "".join(f"; {what}: {', '.join(names)}" for what, names in (
+                        ("ignored, not in this model", rep.unexpected),
+                        ("not in it, freshly initialised", rep.missing)) if names))
 
     def amp(self):
         """A fresh autocast context for the run's precision."""
@@ -288,6 +336,7 @@ class Trainer:
             stops.restore_signal_handlers()  # from here on a SIGTERM ends the process at once
             if writer:
                 writer.close()
+            self.writer = None
         early = result.stopped_by in ("signal", "stop_file", "job_deadline")
         if (cfg.checkpointing or early or self.resume_from is not None) and st.step and \
                 st.step != self.last_saved_step:
@@ -298,7 +347,11 @@ class Trainer:
         # Evaluation: after the time box; skipped when stopping early (the job's time is up).
         evals = {}
         if cfg.do_eval and self.dev and not early:
-            evals = self.evaluate()
+            if self.evaluated_at and self.evaluated_at[0] == st.step:
+                evals = self.evaluated_at[1]  # evaluated at this very step (--eval-every, target reached)
+            else:
+                evals = self.evaluate()
+                self._evaluated(evals)
         elif early:
             log(d, f"stopped early ({result.stopped_by}) at step {st.step}: run the same command again to resume")
         summary = self.summary(result, evals)
@@ -323,10 +376,13 @@ class Trainer:
         self.first_start = time.time()
         self.last_end = self.first_start
         self.last_observed = 0.0
-        self.last_save = time.time()
+        self.last_save = self.last_eval = time.time()
         # The decision before the first step (a stop file, a budget spent by earlier segments).
         agree.post(None, self._requests())
-        stop, _ = self._take(agree.ready(flush=True))
+        stop, _, _ = self._take(agree.ready(flush=True))
+        if stop is None and st.target and cfg.target_mlm_accuracy is not None \
+                and st.target["value"] >= cfg.target_mlm_accuracy:
+            stop = "target"  # resumed after reaching it: nothing left to do
         while stop is None and st.step < total:
             if st.pos == len(batches):
                 st.epoch, st.pos = st.epoch + 1, 0
@@ -338,10 +394,16 @@ class Trainer:
             rec = StepRecord(st.step, t0, len(gb), self.scheduler.get_last_lr()[0], st.epoch + st.pos / len(batches))
             nonfinite = (~torch.isfinite(grad_norm)).to(torch.float64)
             agree.post(rec, [*self._requests(), *counts], [loss, nonfinite, grad_norm])
-            stop, save_due = self._take(agree.ready())
+            stop, save_due, eval_due = self._take(agree.ready())
+            # --eval-every: by steps (deterministic), or by time (rank 0's clock, agreed above).
+            eval_due = eval_due or bool(cfg.eval_every_steps and st.step % cfg.eval_every_steps == 0)
+            if stop is None and eval_due and self.dev and st.step < total:
+                stop, _, _ = self._take(agree.ready(flush=True))  # every finished step recorded (tokens seen)
+                if stop is None:
+                    stop = self._evaluate_during_training()
             due_by_steps = bool(cfg.checkpoint_steps and st.step % cfg.checkpoint_steps == 0)
             if stop is None and (save_due or due_by_steps) and st.step < total and st.step != self.last_saved_step:
-                stop, _ = self._take(agree.ready(flush=True))  # the checkpoint holds every finished step
+                stop, _, _ = self._take(agree.ready(flush=True))  # the checkpoint holds every finished step
                 self.save()
                 self.last_save = time.time()
         self._take(agree.ready(flush=True))  # steps still in flight: recorded; their requests come too late
@@ -392,31 +454,33 @@ class Trainer:
         return loss_acc, grad_norm, [float(real_tokens), float(padded), flops]
 
     def _requests(self) -> list[float]:
-        """This rank's part of the agreement: [stop code, signal, save request]. Stop code and save
-        request are rank 0's alone (its clock and its view of the stop files)."""
+        """This rank's part of the agreement: [stop code, signal, save request, evaluation request].
+        Stop code and requests are rank 0's alone (its clock and its view of the stop files)."""
         d, cfg = self.d, self.cfg
         signal = 1.0 if self.stops.signal_received is not None else 0.0
         if not d.is_main:
-            return [0.0, signal, 0.0]
+            return [0.0, signal, 0.0, 0.0]
         est = float(np.median(self.meter.times[-5:])) if len(self.meter) else 0.0
         # With a lag, one more step is already in flight when the others read the decision.
         reason = self.stops.reason(est * (1 + self.lag))
         due = bool(cfg.checkpoint_every and time.time() - self.last_save >= cfg.checkpoint_every)
-        return [float(REASONS.index(reason)), signal, 1.0 if due else 0.0]
+        eval_due = bool(cfg.eval_every_seconds and time.time() - self.last_eval >= cfg.eval_every_seconds)
+        return [float(REASONS.index(reason)), signal, 1.0 if due else 0.0, 1.0 if eval_due else 0.0]
 
-    def _take(self, results: list) -> tuple[str | None, bool]:
-        """Record finished steps; return the agreed stop reason (or None) and save request."""
-        stop, save = None, False
+    def _take(self, results: list) -> tuple[str | None, bool, bool]:
+        """Record finished steps; return the agreed stop reason (or None), save and evaluation requests."""
+        stop, save, evaluate = None, False, False
         for rec, values in results:
-            code, signal, save_flag = values[:3]
+            code, signal, save_flag, eval_flag = values[:4]
             if rec is not None:
-                self._record(rec, values[3:])
+                self._record(rec, values[4:])
             if signal > 0:
                 stop = "signal"
             elif code > 0 and stop is None:
                 stop = REASONS[int(round(code))]
             save = save or save_flag > 0
-        return stop, save
+            evaluate = evaluate or eval_flag > 0
+        return stop, save, evaluate
 
     def _record(self, rec: StepRecord, values: list[float]) -> None:
         """A finished step's agreed figures: meter, log line, progress, time-fitted LR horizon."""
@@ -431,6 +495,7 @@ class Trainer:
         self.meter.add(seconds, rec.sequences, int(tokens), int(padded), flops, end,
                        in_budget=deadline is None or end <= deadline)
         loss, grad_norm = loss / d.world_size, grad_norm / d.world_size
+        st.tokens += int(tokens)
         st.window_loss.append(loss)
         if nonfinite:
             st.nonfinite_steps += 1
@@ -531,6 +596,37 @@ class Trainer:
             _truncate_metrics(self.run_dir / "metrics.jsonl", st.step)
 
     # --- evaluation and summary ------------------------------------------------------------------
+
+    def _evaluate_during_training(self) -> str | None:
+        """--eval-every: evaluate now (every rank) and record it; "target" when it reached the target."""
+        evals = self.evaluate()
+        self.last_eval = time.time()
+        return "target" if self._evaluated(evals) else None
+
+    def _evaluated(self, evals: dict[str, dict[str, float]]) -> bool:
+        """Record an evaluation of the current step: with --eval-every a metrics.jsonl line (rank 0;
+        "loss" is null, the training loss being the other lines'), and the first time the main metric
+        reaches --target-mlm-accuracy, where (the summary's time, steps and tokens to target).
+        Returns whether the target is reached; every rank decides alike (the metrics are gathered)."""
+        st, cfg, now = self.state, self.cfg, time.time()
+        self.evaluated_at = (st.step, evals)
+        if self.d.is_main and (cfg.eval_every or cfg.target_mlm_accuracy is not None):
+            writer = self.writer or MetricsWriter(self.run_dir / "metrics.jsonl")
+            writer.write({"step": st.step, "epoch": st.epoch + st.pos / self.plan.steps_per_epoch, "loss": None,
+                          "eval": evals, "tokens_seen": st.tokens, "sequences_seen": st.sequences,
+                          "elapsed_s": now - PROCESS_START, "run_time_s": st.elapsed_s + now - PROCESS_START})
+            if writer is not self.writer:
+                writer.close()
+        target, main = cfg.target_mlm_accuracy, self.obj.main_metric
+        if target is None:
+            return False
+        value = next((m[main] for m in evals.values() if main in m), None)
+        if st.target is None and value is not None and value >= target:
+            st.target = {"step": st.step, "tokens": st.tokens, "time_s": st.elapsed_s + now - PROCESS_START,
+                         "value": value}
+            log(self.d, f"target {main} {target} reached at step {st.step}: {value:.4f} after {st.tokens:,} tokens, "
+                        f"{st.target['time_s']:.1f} s from the start of the run")
+        return st.target is not None
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, dict[str, float]]:
@@ -646,6 +742,9 @@ class Trainer:
             "peak_flops_source": peak_src,
             "mfu": mfu,
             "final_loss": st.last_loss,
+            "time_to_target_s": st.target["time_s"] if st.target else None,
+            "steps_to_target": st.target["step"] if st.target else None,
+            "tokens_to_target": st.target["tokens"] if st.target else None,
             "eval": evals,
             "main_metric": self.obj.main_metric,
             "per_rank_step_time_s": self._per_rank_step_times(warmup),

@@ -14,6 +14,10 @@ Output DATA_DIR:
   {split}_{k:05d}.tokens.npy   (tokens,) uint16 (vocabulary <= 65536 ids) else int32: the token ids of
                                whole documents, concatenated, no special tokens, not truncated
   {split}_{k:05d}.offsets.npy  (documents + 1,) int64: document j is tokens[offsets[j]:offsets[j+1]]
+  {split}_{k:05d}.lines.npy    (lines + 1,) int64: line j is tokens[lines[j]:lines[j+1]]; every document
+                               offset is a line offset. A line is BERT's sentence (its input format: one
+                               sentence per line); WikiExtractor writes a paragraph per line. The
+                               pre-training reader packs whole lines and cuts next-sentence pairs there
   metadata.json                written last: tokenizer, counts per split, sources with sha256, the
                                held-out document ids, dropped counts, every array file with its sha256
 A split is `train` or `eval`; the eval documents are a seeded random choice of document indices.
@@ -21,7 +25,9 @@ Everything is deterministic: the same inputs, options and seed give byte-identic
 
 The corpus is read twice, one document at a time: a first pass validates it (UTF-8, format),
 hashes the sources and counts documents (so `--eval-docs N` can choose N of them); the second
-tokenises. At most one shard's worth of tokens (`--shard-tokens`) per split is held in memory.
+tokenises, line by line as BERT's create_pretraining_data does (a line break is whitespace to the
+WordPiece pre-tokenizer, so the ids are those of the whole document). At most one shard's worth of
+tokens (`--shard-tokens`) per split is held in memory, so memory does not grow with the corpus.
 """
 
 from __future__ import annotations
@@ -42,10 +48,10 @@ from pathlib import Path
 
 import numpy as np
 
-FORMAT_VERSION = 1  # bump when the layout of the files or the cleaning rules change
+FORMAT_VERSION = 2  # bump when the layout of the files or the cleaning rules change (2: line offsets)
 METADATA = "metadata.json"
 SPLITS = ("train", "eval")
-_SHARD_RE = re.compile(r"^((train|eval)_\d{5}\.(tokens|offsets)\.npy|metadata\.json\.tmp)(\.tmp)?$")
+_SHARD_RE = re.compile(r"^((train|eval)_\d{5}\.(tokens|offsets|lines)\.npy|metadata\.json\.tmp)(\.tmp)?$")
 _HEADING_RE = re.compile(r"(=+)\s.*\s\1")  # WikiText: "= Title =", "= = Section = ="
 _DOC_OPEN_RE = re.compile(r"<doc(\s[^>]*)?>")
 _BATCH_BYTES = 1 << 20  # text per tokenisation task: large enough to amortise IPC, small to stream
@@ -75,6 +81,7 @@ class Dropped:
     heading_lines: int = 0             # plain: WikiText heading lines "= ... =" (any level)
     replaced_bytes: int = 0            # --errors replace: invalid UTF-8 sequences replaced by U+FFFD
     empty_after_tokenisation: int = 0  # documents whose text gives no token (index kept, not written)
+    empty_lines_after_tokenisation: int = 0  # lines of kept documents that give no token (no line offset)
 
 
 def expand_inputs(inputs: list[str]) -> list[Path]:
@@ -208,21 +215,26 @@ def iter_documents(files: list[Path], errors: str, dropped: Dropped, sources: li
 # --- tokenisation ----------------------------------------------------------------------------------
 
 def tokenizer_sha256(tok) -> str:
-    """sha256 of the tokenizer's serialised form; its first 16 characters are
-    features.tokenizer_fingerprint of the same tokenizer object."""
-    return hashlib.sha256(tok.to_str().encode()).hexdigest()
+    """sha256 of the tokenizer's serialised form without its truncation and padding settings: the
+    same vocabulary and rules give the same hash whatever length a run loads it for."""
+    spec = json.loads(tok.to_str())
+    spec["truncation"] = spec["padding"] = None
+    return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
     return np.dtype(np.uint16) if vocab_size <= 65536 else np.dtype(np.int32)
 
 
-def _encode(tok, texts: list[str], dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
-    """Texts -> (all ids concatenated, (len(texts),) int64 lengths); no special tokens."""
-    enc = tok.encode_batch(texts, add_special_tokens=False)
+def _encode(tok, texts: list[str], dtype: np.dtype) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Document texts (lines joined by newlines) -> (all ids concatenated, (lines,) int64 tokens per
+    line, (len(texts),) int64 lines per document); no special tokens. Each line is encoded alone."""
+    lines = [line for text in texts for line in text.split("\n")]
+    per_doc = np.fromiter((text.count("\n") + 1 for text in texts), dtype=np.int64, count=len(texts))
+    enc = tok.encode_batch(lines, add_special_tokens=False)
     lengths = np.fromiter((len(e.ids) for e in enc), dtype=np.int64, count=len(enc))
-    ids = np.concatenate([np.asarray(e.ids, dtype=dtype) for e in enc]) if enc else np.zeros(0, dtype)
-    return ids, lengths
+    ids = np.fromiter((i for e in enc for i in e.ids), dtype=dtype, count=int(lengths.sum()))
+    return ids, lengths, per_doc
 
 
 _worker_tok = None
@@ -304,9 +316,14 @@ class _SplitWriter:
     _lengths: list = field(default_factory=list)
     _buffered: int = 0
 
-    def add(self, ids: np.ndarray) -> None:
+    _line_lengths: list = field(default_factory=list)
+    lines: int = 0
+
+    def add(self, ids: np.ndarray, line_lengths: np.ndarray) -> None:
+        """One document: its ids and the token count of each of its lines (none zero)."""
         self._ids.append(ids)
         self._lengths.append(len(ids))
+        self._line_lengths.append(line_lengths)
         self._buffered += len(ids)
         if self._buffered >= self.shard_tokens:
             self.flush()
@@ -318,12 +335,46 @@ class _SplitWriter:
         tokens = np.concatenate(self._ids).astype(self.dtype, copy=False)  # (tokens,)
         offsets = np.zeros(len(self._lengths) + 1, dtype=np.int64)        # (documents + 1,)
         np.cumsum(self._lengths, out=offsets[1:])
-        self.shards.append({"documents": len(self._lengths),
+        line_lengths = np.concatenate(self._line_lengths)
+        lines = np.zeros(len(line_lengths) + 1, dtype=np.int64)            # (lines + 1,)
+        np.cumsum(line_lengths, out=lines[1:])
+        self.shards.append({"documents": len(self._lengths), "line_count": len(line_lengths),
                             "tokens": _save_array(self.out, f"{name}.tokens.npy", tokens),
-                            "offsets": _save_array(self.out, f"{name}.offsets.npy", offsets)})
+                            "offsets": _save_array(self.out, f"{name}.offsets.npy", offsets),
+                            "lines": _save_array(self.out, f"{name}.lines.npy", lines)})
         self.documents += len(self._lengths)
+        self.lines += len(line_lengths)
         self.tokens += len(tokens)
-        self._ids, self._lengths, self._buffered = [], [], 0
+        self._ids, self._lengths, self._line_lengths, self._buffered = [], [], [], 0
+
+
+class _Progress:
+    """A progress bar on a terminal (redrawn twice a second), else a log line every 5 s."""
+
+    def __init__(self, total_docs: int, log, tty: bool | None = None):
+        self.total, self.log = total_docs, log
+        self.tty = sys.stderr.isatty() if tty is None else tty
+        self.t0 = self.last = time.perf_counter()
+        self.drawn = False
+
+    def update(self, docs: int, tokens: int, bytes_done: int) -> None:
+        now = time.perf_counter()
+        if now - self.last < (0.5 if self.tty else 5.0):
+            return
+        self.last = now
+        frac = docs / max(self.total, 1)
+        text = (f"{docs:,}/{self.total:,} documents ({100 * frac:.0f}%), {tokens:,} tokens, "
+                f"{bytes_done / 2**20 / (now - self.t0):.1f} MB/s")
+        if self.tty:
+            bar = "#" * int(30 * frac)
+            print(f"\rprepare-pretraining [{bar:.<30}] {text}", end="", file=sys.stderr, flush=True)
+            self.drawn = True
+        else:
+            self.log(f"prepare-pretraining: {text}")
+
+    def close(self) -> None:
+        if self.drawn:
+            print(file=sys.stderr, flush=True)
 
 
 def _remove_shards(out: Path) -> list[str]:
@@ -449,27 +500,27 @@ def prepare(opts: Options, log=None) -> dict:
     writers = {s: _SplitWriter(out, s, opts.shard_tokens, dtype) for s in SPLITS}
     dropped2, sources2 = Dropped(), []
     docs = iter_documents(files, opts.errors, dropped2, sources2)
-    total_bytes = sum(s.bytes for s in sources)
-    t0 = last = time.perf_counter()
+    progress = _Progress(n_docs, log)
     index = 0
     try:
-        for ids, lengths in _encoded_batches(tok, docs, dtype, opts.workers):
-            starts = np.concatenate([[0], np.cumsum(lengths)])
-            for j in range(len(lengths)):
-                if lengths[j] == 0:
+        for ids, line_lengths, per_doc in _encoded_batches(tok, docs, dtype, opts.workers):
+            line_starts = np.concatenate([[0], np.cumsum(line_lengths)])  # (lines + 1,) into ids
+            doc_lines = np.concatenate([[0], np.cumsum(per_doc)])       # (documents + 1,) into lines
+            for j in range(len(per_doc)):
+                a, b = doc_lines[j], doc_lines[j + 1]
+                if line_starts[b] == line_starts[a]:
                     dropped2.empty_after_tokenisation += 1
                 else:
-                    writers["eval" if index in eval_set else "train"].add(ids[starts[j]:starts[j + 1]])
+                    lens = line_lengths[a:b]
+                    dropped2.empty_lines_after_tokenisation += int((lens == 0).sum())
+                    writers["eval" if index in eval_set else "train"].add(
+                        ids[line_starts[a]:line_starts[b]], lens[lens > 0])
                 index += 1
-            now = time.perf_counter()
-            if now - last >= 5:
-                last = now
-                done = sum(s.bytes for s in sources2)
-                log(f"prepare-pretraining: {index:,}/{n_docs:,} documents, "
-                    f"{sum(w.tokens + w._buffered for w in writers.values()):,} tokens, "
-                    f"{done / 2**20 / (now - t0):.1f} MB/s ({100 * done / max(total_bytes, 1):.0f}% of input)")
+            progress.update(index, sum(w.tokens + w._buffered for w in writers.values()),
+                            sum(s.bytes for s in sources2))
         for w in writers.values():
             w.flush()
+        progress.close()
         assert index == n_docs and [vars(s) for s in sources2] == header["sources"], "inputs changed while read"
         if writers["train"].tokens == 0:
             raise PrepareError(f"inputs {' '.join(opts.inputs)}: empty corpus, no token in the training "
@@ -483,7 +534,7 @@ def prepare(opts: Options, log=None) -> dict:
     meta["expected_sequences_definition"] = (
         f"ceil(tokens / (max_seq_length - 2)) per split: {seq_len}-token windows packed across documents, "
         "leaving room for [CLS] and [SEP]; a rough count, the reader's packing decides the exact one")
-    meta["splits"] = {s: {"documents": w.documents, "tokens": w.tokens,
+    meta["splits"] = {s: {"documents": w.documents, "lines": w.lines, "tokens": w.tokens,
                           "expected_sequences": math.ceil(w.tokens / seq_len), "shards": w.shards}
                       for s, w in writers.items()}
     meta["eval_document_ids"] = eval_ids
@@ -502,6 +553,7 @@ def prepare(opts: Options, log=None) -> dict:
 class Shard:
     tokens: np.ndarray   # (tokens,) uint16/int32, memory-mapped
     offsets: np.ndarray  # (documents + 1,) int64
+    lines: np.ndarray    # (lines + 1,) int64, a superset of offsets
 
     def document(self, j: int) -> np.ndarray:
         return self.tokens[self.offsets[j]:self.offsets[j + 1]]
@@ -536,8 +588,8 @@ def _open_array(data_dir: Path, entry: dict, verify_sha256: bool) -> np.ndarray:
 
 def load_prepared(data_dir, tokenizer_sha256: str | None = None, verify_sha256: bool = False) -> Prepared:
     """Memory-map a prepared directory, checking every shard against metadata.json (existence,
-    dtype, length, offsets; file sha256 with verify_sha256). tokenizer_sha256 (full, or a prefix of
-    >= 16 characters such as features.tokenizer_fingerprint) must match the one it was prepared with.
+    dtype, length, offsets; file sha256 with verify_sha256). tokenizer_sha256 (`tokenizer_sha256(tok)`,
+    or a prefix of >= 16 characters of it) must match the one it was prepared with.
     Raises ValueError with one line naming the file and what does not match."""
     d = Path(data_dir)
     meta_path = d / METADATA
@@ -562,11 +614,16 @@ def load_prepared(data_dir, tokenizer_sha256: str | None = None, verify_sha256: 
         for entry in info["shards"]:
             tokens = _open_array(d, entry["tokens"], verify_sha256)
             offsets = np.asarray(_open_array(d, entry["offsets"], verify_sha256))
-            if (len(offsets) != entry["documents"] + 1 or offsets[0] != 0 or offsets[-1] != len(tokens)
-                    or np.any(np.diff(offsets) <= 0)):
-                raise ValueError(f"{d / entry['offsets']['file']}: document offsets do not span "
-                                 f"{entry['tokens']['file']} ({len(tokens)} tokens) in increasing order")
-            shards.append(Shard(tokens, offsets))
+            lines = np.asarray(_open_array(d, entry["lines"], verify_sha256))
+            for arr, what, count in ((offsets, "offsets", entry["documents"]), (lines, "lines", entry["line_count"])):
+                if (len(arr) != count + 1 or arr[0] != 0 or arr[-1] != len(tokens) or np.any(np.diff(arr) <= 0)):
+                    raise ValueError(f"{d / entry[what]['file']}: {what[:-1] if what == 'lines' else 'document'} "
+                                     f"offsets do not span {entry['tokens']['file']} ({len(tokens)} tokens) in "
+                                     f"increasing order")
+            if not np.isin(offsets, lines).all():
+                raise ValueError(f"{d / entry['lines']['file']}: a document of {entry['offsets']['file']} does not "
+                                 f"start at a line")
+            shards.append(Shard(tokens, offsets, lines))
         splits[split] = shards
     return Prepared(meta, splits)
 
@@ -603,7 +660,7 @@ def cli(argv: list[str]) -> int:
     what = "already prepared, nothing to do" if meta.get("up_to_date") else \
         f"prepared in {time.perf_counter() - t0:.1f} s"
     print(f"{ns.out}: {what}: "
-          + "; ".join(f"{s} {sp[s]['documents']:,} documents {sp[s]['tokens']:,} tokens "
+          + "; ".join(f"{s} {sp[s]['documents']:,} documents {sp[s]['lines']:,} lines {sp[s]['tokens']:,} tokens "
                       f"in {len(sp[s]['shards'])} shards" for s in SPLITS)
           + f"; dropped {dr['title_lines']:,} title lines, {dr['stub_documents']:,} stub documents, "
             f"{dr['empty_documents']:,} empty documents, {dr['heading_lines']:,} heading lines, "
