@@ -75,7 +75,8 @@ def say(msg: str) -> None:
 
 def command_line() -> str:
     nice = os.nice(0)
-    return (f"nice -n {nice} " if nice > 0 else "") + "python benchmarks/compare_hf_squad.py " + shlex.join(sys.argv[1:])
+    prefix = f"nice -n {nice} " if nice > 0 else ""
+    return prefix + "python benchmarks/compare_hf_squad.py " + shlex.join(sys.argv[1:])
 
 
 def header(kind: str) -> dict:
@@ -351,7 +352,8 @@ def hf_worker(argv: list[str]) -> int:
     result = {
         "side": "transformers.Trainer", "padding": a.padding, "group_by_length": a.group_by_length,
         "precision": PRECISION, "seed": a.seed, "optim": str(getattr(args.optim, "value", args.optim)),
-        "sampler": args.train_sampling_strategy, "attn_implementation": getattr(model.config, "_attn_implementation", None),
+        "sampler": args.train_sampling_strategy,
+        "attn_implementation": getattr(model.config, "_attn_implementation", None),
         "train_windows": len(train_ds), "warmup_steps": warm, "total_steps": total, "steps": n,
         "warmup_steps_excluded": w, "threads": timer.threads,
         "steady_sequences_per_sec": steady / sum(full[w:]) if n > w else None,
@@ -470,8 +472,8 @@ def accuracy_segment(side: str, seed: int, work: Path, train: Path, dev: Path, s
     C.write_json(progress_path, progress)
     wall = sum(x["wall_s"] for x in progress["segments"])
     known = [x for x in progress["segments"] if x["other_cores_during"] is not None]
-    noise_all = {"other_cores_during": sum(x["other_cores_during"] * x["wall_s"] for x in known)
-                 / sum(x["wall_s"] for x in known), "wall_s": wall, "waited_for_quiet_s": 0.0, "other_cores_before": None}
+    busy = sum(x["other_cores_during"] * x["wall_s"] for x in known) / sum(x["wall_s"] for x in known)
+    noise_all = {"other_cores_during": busy, "wall_s": wall, "waited_for_quiet_s": 0.0, "other_cores_before": None}
     base = {"side": side, "seed": seed, "segments": len(progress["segments"]), "wall_s": wall, "noise": noise_all}
     if side == "hpcbert":
         from hpcbert.runfiles import read_summary
@@ -600,7 +602,8 @@ def render_data(doc: dict) -> str:
     rows = []
     for name, s in doc["splits"].items():
         rows.append([name, s["file"], str(s["articles"]), str(s["questions"]), str(s["hpcbert_windows"]),
-                     str(s["hf_windows"]), f"{s['hpcbert_real_tokens_per_window']:.1f} / {s['hf_real_tokens_per_window']:.1f}",
+                     str(s["hf_windows"]),
+                     f"{s['hpcbert_real_tokens_per_window']:.1f} / {s['hf_real_tokens_per_window']:.1f}",
                      f"{s['unrecoverable']} ({s['truncated']} cut by windowing, {s['unmatched']} not on token "
                      f"boundaries)"])
     lines = [markdown_grid(["split", "file", "articles", "questions", "hpcbert windows (stride = step 128)",
@@ -635,7 +638,8 @@ def render_accuracy(runs: list[dict]) -> str:
     if len(stats) == 2:
         d = stats["hpcbert"] - stats["hf"]
         ok = abs(d) <= F1_TARGET or d > 0
-        lines += ["", f"F1 hpcbert − Trainer: **{d:+.2f} points** (target: within {F1_TARGET} points of the Trainer's "
+        lines += ["", f"F1 hpcbert − Trainer: **{d:+.2f} points** (target: within {F1_TARGET} points of the "
+                      "Trainer's "
                       f"mean): **{'MET' if ok else 'NOT MET'}**. std is the sample std over seeds."]
     lines += ["", "Commands (one run each, under `/work/tools/shared nice -n 10`):", ""]
     lines += [f"- `{r['command']}` ({r['date']}): EM {r['exact_match']:.2f}, F1 {r['f1']:.2f}"
@@ -658,7 +662,8 @@ def render_throughput(doc: dict) -> str:
     rows = []
     for c in throughput_summary(doc):
         rows.append([c["comparison"], c["hpcbert_label"], c["hf_label"], _fmt(c["hpcbert_seq_s"]),
-                     _fmt(c["hf_seq_s"]), f"{c['hpcbert_padded_tokens_per_seq']:.1f} / {c['hf_padded_tokens_per_seq']:.1f}",
+                     _fmt(c["hf_seq_s"]),
+                     f"{c['hpcbert_padded_tokens_per_seq']:.1f} / {c['hf_padded_tokens_per_seq']:.1f}",
                      _fmt(c["ratios"]) + "x", f"**{c['ratio_median']:.2f}x**"])
     lines.append(markdown_grid(["comparison", "hpcbert", "Trainer", "hpcbert seq/s per repeat",
                                 "Trainer seq/s per repeat", "padded tokens/seq hpcbert / Trainer",
@@ -675,7 +680,8 @@ def render_throughput(doc: dict) -> str:
     lines += ["", "Every run, in the order it ran:", "", markdown_grid(
         ["pair", "repeat", "side", "seq/s", "padded tokens/seq", "other-work cores during the run"],
         [[r["pair"], str(r["repeat"]), r["label"], f"{r['steady_sequences_per_sec']:.3f}",
-          f"{r['padded_tokens_per_seq']:.1f}", f"{r['noise']['other_cores_during']:.2f}"] for r in doc["runs"]]).rstrip("\n")]
+          f"{r['padded_tokens_per_seq']:.1f}", f"{r['noise']['other_cores_during']:.2f}"]
+         for r in doc["runs"]]).rstrip("\n")]
     return "\n".join(lines)
 
 

@@ -50,9 +50,9 @@ def squad_doc(seed: int, articles: int, impossible: bool = False) -> dict:
             if impossible:
                 j = (i + 1) % len(COUNTRIES)
                 qas[0]["is_impossible"] = False
+                plausible = [{"text": CAPITALS[i], "answer_start": qas[0]["answers"][0]["answer_start"]}]
                 qas.append({"id": f"s{seed}q{n}", "question": f"what is the capital of {COUNTRIES[j]} ?",
-                            "answers": [], "is_impossible": True,
-                            "plausible_answers": [{"text": CAPITALS[i], "answer_start": qas[0]["answers"][0]["answer_start"]}]})
+                            "answers": [], "is_impossible": True, "plausible_answers": plausible})
                 n += 1
             paras.append({"context": context, "qas": qas})
         data.append({"title": f"article {a}", "paragraphs": paras})
@@ -163,7 +163,8 @@ def test_check_refuses_missing_files_wrong_versions_and_other_tasks_options(squa
     with pytest.raises(ValueError, match=r"train_file: .*nope\.json does not exist"):
         _check(train_file=str(d / "nope.json"), do_eval=False)
     # a v1.1 run given a v2.0 file is refused, naming the file: asked for, or from the training file
-    with pytest.raises(ValueError, match=rf"^train_file: {d / 'train2.json'} is a SQuAD v2\.0 file.*--squad-version 1\.1"):
+    v2_file = rf"{d / 'train2.json'} is a SQuAD v2\.0 file"
+    with pytest.raises(ValueError, match=rf"^train_file: {v2_file}.*--squad-version 1\.1"):
         _check(train_file=str(d / "train2.json"), dev_file=str(d / "dev2.json"), squad_version="1.1")
     with pytest.raises(ValueError, match=rf"^dev_file: {d / 'dev2.json'} is a SQuAD v2\.0 file.*--train-file"):
         _check(train_file=str(d / "train.json"), dev_file=str(d / "dev2.json"))
