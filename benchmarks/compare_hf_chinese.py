@@ -1,0 +1,601 @@
+#!/usr/bin/env python
+"""hpcbert vs the Hugging Face Trainer on ChnSentiCorp with the Chinese BERT vocabulary.
+
+A measurement, not a test. Every figure comes from runs this script starts; results/chinese/README.md
+is generated from the JSON files (`render`), never typed.
+
+    python benchmarks/compare_hf_chinese.py accuracy --side hpcbert --seed 1   one accuracy run (in segments)
+    python benchmarks/compare_hf_chinese.py throughput --pair dynamic --repeat 1   one repeat of one pair
+    python benchmarks/compare_hf_chinese.py render                              results/chinese/README.md
+
+Data: ChnSentiCorp as in ../shared/data/chinese/chnsenticorp (train.tsv: label, text_a; dev.tsv: qid,
+label, text_a), tokenised with the bert-base-chinese vocabulary (../shared/data/chinese/bert-base-chinese:
+21,128 entries, cased, every CJK character its own token). No Chinese weights are available here, so
+every model is trained from random weights on both sides:
+
+- accuracy: bert-mini (Turc et al. 2019: 4 layers, 256 wide, 4 heads, FFN 1024; word embeddings for the
+  21,128-entry vocabulary), max length 128, batch 32, lr 3e-4, 2 epochs, seeds 1, 2, 3; dev accuracy.
+- throughput: the bert-base shape (bert-base-chinese's config.json: 12 layers, 768 wide), random
+  weights, max length 128, batch 8, training sequences/s.
+
+Both sides, always: AdamW (betas 0.9/0.999, eps 1e-8; PyTorch's fused kernel on both sides: the
+Trainer's default `adamw_torch_fused`), weight decay 0.01 (not on biases and LayerNorm weights), linear
+warm-up over round(0.1 x steps) steps then linear decay to 0, max grad norm 1.0, dropout 0.1, fp32 (this
+CPU has no native bf16; emulated bf16 is ~100x slower), 2 threads. hpcbert:
+`hpcbert train --task classify` with its defaults (dynamic padding, length-grouped sampler). The
+Trainer: transformers' text-classification example (run_classification.py) re-implemented in the
+hidden `_hf-worker` command: `tokenizer(text, padding=..., max_length=128, truncation=True)`,
+`AutoModelForSequenceClassification.from_config` (random init, seeded with `transformers.set_seed`),
+`Trainer.train()`, accuracy from `Trainer.predict` on the dev file. Nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import compare_hf as C  # noqa: E402  (shared helpers: subprocess runs, noise, machine info, JSON I/O)
+
+ROOT = C.ROOT
+CHINESE = ROOT.parent / "shared" / "data" / "chinese"
+DATA = CHINESE / "chnsenticorp"
+VOCAB = CHINESE / "bert-base-chinese"
+DEFAULT_RESULTS = ROOT / "results" / "chinese"
+DEFAULT_WORK = ROOT / "runs" / "compare_hf_chinese"
+SEQ_LEN, THREADS, EVAL_BATCH = 128, 2, 64
+WEIGHT_DECAY, WARMUP_RATIO, MAX_GRAD_NORM, ADAM_EPS = 0.01, 0.1, 1.0, 1e-8
+PRECISION = "fp32"
+SEEDS = (1, 2, 3)
+# accuracy: a small shape from scratch
+ACC_MODEL, ACC_SHAPE = "bert-mini", (4, 256, 4, 1024)  # layers, hidden, heads, FFN (hpcbert.zoo.RANDOM_SHAPES)
+ACC_BATCH, ACC_LR, ACC_EPOCHS = 32, 3e-4, 2.0
+# throughput: the bert-base shape with random weights
+TP_BATCH = 8
+
+# Throughput pairs, each run as one interleaved pair per call: (hpcbert label + options, Trainer label + options).
+PAIRS = {
+    "dynamic": (("hpcbert defaults: dynamic padding, length-grouped sampler", []),
+                ("Trainer at its best: dynamic padding (DataCollatorWithPadding), train_sampling_strategy="
+                 "group_by_length, adamw_torch_fused", dict(padding="dynamic", group_by_length=True))),
+    "max": (("hpcbert --pad-to-max-length (every batch 8 x 128)", ["--pad-to-max-length"]),
+            ("Trainer defaults: pad to 128 (run_classification.py pad_to_max_length=True), random sampler, "
+             "adamw_torch_fused", dict(padding="max_length", group_by_length=False))),
+}
+
+
+def say(msg: str) -> None:
+    print(f"[compare_hf_chinese {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def command_line() -> str:
+    nice = os.nice(0)
+    return (f"nice -n {nice} " if nice > 0 else "") + "python benchmarks/compare_hf_chinese.py " + shlex.join(sys.argv[1:])
+
+
+def header(kind: str) -> dict:
+    import datetime
+    return {"kind": kind, "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            "command": command_line(), "machine": C.machine_info(THREADS)}
+
+
+def check_data() -> None:
+    for p in (DATA / "train.tsv", DATA / "dev.tsv", VOCAB / "vocab.txt", VOCAB / "config.json"):
+        if not p.is_file():
+            sys.exit(f"compare_hf_chinese: {p} not found (ChnSentiCorp and bert-base-chinese live in "
+                     f"{CHINESE}, beside the project)")
+
+
+# ----------------------------------------------------------------------------------------------
+# the Trainer side (subprocess: this script's hidden `_hf-worker` command)
+# ----------------------------------------------------------------------------------------------
+
+def hf_worker(argv: list[str]) -> int:
+    """One Trainer run as run_classification.py does it, from random weights; writes one JSON."""
+    p = argparse.ArgumentParser(prog="compare_hf_chinese.py _hf-worker")
+    p.add_argument("--shape", choices=("mini", "base"), required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--scratch", required=True)
+    p.add_argument("--padding", choices=("max_length", "dynamic"), required=True)
+    p.add_argument("--group-by-length", action="store_true")
+    p.add_argument("--seed", type=int, required=True)
+    p.add_argument("--batch-size", type=int, required=True)
+    p.add_argument("--lr", type=float, required=True)
+    p.add_argument("--epochs", type=float, default=ACC_EPOCHS)
+    p.add_argument("--max-steps", type=int, default=None)
+    p.add_argument("--warmup-steps-excluded", type=int, default=3)
+    p.add_argument("--do-eval", action="store_true")
+    p.add_argument("--deadline", type=float, default=None,
+                   help="epoch seconds: stop training before it with a checkpoint in --scratch and exit 3 "
+                        "(the same command resumes from it)")
+    a = p.parse_args(argv)
+    t_process = time.perf_counter()
+
+    import numpy as np
+    import torch
+    import transformers
+    from transformers import (AutoModelForSequenceClassification, AutoTokenizer, BertConfig, DataCollatorWithPadding,
+                              Trainer, TrainerCallback, TrainingArguments, default_data_collator)
+
+    from hpcbert.data.metrics import accuracy, f1_macro
+    from hpcbert.data.own import read_classification
+
+    torch.set_num_threads(THREADS)
+    tok = AutoTokenizer.from_pretrained(str(VOCAB))
+    train = read_classification(DATA / "train.tsv", "text_a", "label")
+    dev = read_classification(DATA / "dev.tsv", "text_a", "label", labels=train.labels)
+    pad = "max_length" if a.padding == "max_length" else False
+
+    def to_dataset(examples):  # a list of feature dicts (what `datasets.map` would give the Trainer)
+        enc = tok([e.text_a for e in examples], padding=pad, max_length=SEQ_LEN, truncation=True)
+        keys = ("input_ids", "token_type_ids", "attention_mask")
+        return [{**{k: enc[k][i] for k in keys}, "label": int(e.label)} for i, e in enumerate(examples)]
+
+    train_ds, dev_ds = to_dataset(train.examples), to_dataset(dev.examples)
+    collator = default_data_collator if pad else DataCollatorWithPadding(tok)
+
+    cfg = BertConfig.from_pretrained(str(VOCAB), num_labels=len(train.labels))  # vocab 21128, bert-base shape
+    if a.shape == "mini":
+        L, H, A, I = ACC_SHAPE
+        cfg.update(dict(num_hidden_layers=L, hidden_size=H, num_attention_heads=A, intermediate_size=I))
+    transformers.set_seed(a.seed)  # the random weights are drawn from this seed
+    model = AutoModelForSequenceClassification.from_config(cfg)
+    total = a.max_steps or math.ceil(a.epochs * math.ceil(len(train_ds) / a.batch_size))
+    warm = round(WARMUP_RATIO * total)  # hpcbert's rule, given to the Trainer as an integer
+    args = TrainingArguments(
+        output_dir=a.scratch, per_device_train_batch_size=a.batch_size, per_device_eval_batch_size=EVAL_BATCH,
+        learning_rate=a.lr, weight_decay=WEIGHT_DECAY, adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=ADAM_EPS,
+        max_grad_norm=MAX_GRAD_NORM, lr_scheduler_type="linear", warmup_steps=warm, num_train_epochs=a.epochs,
+        max_steps=a.max_steps if a.max_steps else -1, eval_strategy="no", save_strategy="no", report_to="none",
+        dataloader_num_workers=0, seed=a.seed, logging_strategy="steps", logging_steps=10, disable_tqdm=True,
+        optim="adamw_torch_fused", use_cpu=not torch.cuda.is_available(), save_total_limit=1,
+        # group_by_length=True in transformers < 5; the same LengthGroupedSampler here.
+        train_sampling_strategy="group_by_length" if a.group_by_length else "random",
+    )
+    torch.set_num_threads(THREADS)
+
+    class StepTimer(TrainerCallback):
+        def __init__(self):
+            self.begin, self.end, self.threads = [], [], None
+
+        def on_train_begin(self, args, state, control, **kw):
+            self.threads = torch.get_num_threads()
+
+        def on_step_begin(self, args, state, control, **kw):
+            self.begin.append(time.perf_counter())
+
+        def on_step_end(self, args, state, control, **kw):
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            self.end.append(time.perf_counter())
+
+    class TimedTrainer(Trainer):
+        """Records when each step's batch fetch starts, and the batches' shapes (as compare_hf.py)."""
+        def __init__(self, *args, **kw):
+            super().__init__(*args, **kw)
+            self.fetch_start, self.shapes, self.real_tokens = [], [], []
+
+        def get_batch_samples(self, epoch_iterator, num_batches, device):
+            t = time.perf_counter()
+            batches, n = super().get_batch_samples(epoch_iterator, num_batches, device)
+            if batches:
+                self.fetch_start.append(t)
+                self.shapes.append([tuple(b["input_ids"].shape) for b in batches])
+                self.real_tokens.append(sum(int(b["attention_mask"].sum()) for b in batches))
+            return batches, n
+
+    class Deadline(TrainerCallback):
+        """Accuracy runs in segments: before a step that would end past --deadline, save a checkpoint
+        (optimizer, scheduler, RNG, position) and stop; trainer.train(resume_from_checkpoint) goes on."""
+        def on_step_end(self, args, state, control, **kw):
+            per_step = (timer.end[-1] - timer.begin[0]) / len(timer.end) if timer.end else 0.0
+            if a.deadline and time.time() + 1.5 * per_step > a.deadline and state.global_step < state.max_steps:
+                control.should_save = True
+                control.should_training_stop = True
+
+    timer = StepTimer()
+    trainer = TimedTrainer(model=model, args=args, train_dataset=train_ds, data_collator=collator,
+                           processing_class=tok, callbacks=[timer, Deadline()])
+    ckpts = sorted(Path(a.scratch).glob("checkpoint-*"), key=lambda q: int(q.name.split("-")[1]))
+    t_train = time.perf_counter()
+    train_out = trainer.train(resume_from_checkpoint=str(ckpts[-1]) if ckpts else None)
+    t_done = time.perf_counter()
+    if trainer.state.global_step < total:
+        say(f"stopped at step {trainer.state.global_step}/{total} before the deadline; run again to resume")
+        return 3
+
+    n = len(timer.end)
+    w = min(a.warmup_steps_excluded, max(0, n - 1))
+    full = [timer.end[i] - trainer.fetch_start[i] for i in range(n)]
+    cb = [timer.end[i] - timer.begin[i] for i in range(n)]
+    seqs = [sum(s[0] for s in trainer.shapes[i]) for i in range(n)]
+    padded = [sum(s[0] * s[1] for s in trainer.shapes[i]) for i in range(n)]
+    steady = sum(seqs[w:])
+    result = {
+        "side": "transformers.Trainer", "padding": a.padding, "group_by_length": a.group_by_length,
+        "precision": PRECISION, "seed": a.seed, "optim": str(getattr(args.optim, "value", args.optim)),
+        "sampler": args.train_sampling_strategy, "attn_implementation": getattr(model.config, "_attn_implementation", None),
+        "vocab_size": model.config.vocab_size, "num_layers": model.config.num_hidden_layers,
+        "hidden_size": model.config.hidden_size, "train_examples": len(train_ds), "warmup_steps": warm,
+        "total_steps": total, "steps": n, "warmup_steps_excluded": w, "threads": timer.threads,
+        "steady_sequences_per_sec": steady / sum(full[w:]) if n > w else None,
+        "callback_sequences_per_sec": steady / sum(cb[w:]) if n > w else None,
+        "padded_tokens_per_seq": sum(padded[w:]) / steady if n > w else None,
+        "real_tokens_per_seq": sum(trainer.real_tokens[w:n]) / steady if n > w else None,
+        "steady_step_time_s": float(np.median(full[w:])) if n > w else None,
+        "step_times": full, "callback_step_times": cb, "step_sequences": seqs, "step_padded_tokens": padded,
+        "step_real_tokens": trainer.real_tokens[:n], "startup_s": t_train - t_process, "train_s": t_done - t_train,
+        "train_loss": train_out.training_loss,
+        "final_loss": next((h["loss"] for h in reversed(trainer.state.log_history) if "loss" in h), None),
+        "eval": {},
+    }
+    if a.do_eval:
+        pred = trainer.predict(dev_ds)
+        preds = np.argmax(pred.predictions, axis=-1)
+        labels = np.asarray([x["label"] for x in dev_ds])
+        result["eval"] = {"dev": {"accuracy": accuracy(preds, labels), "f1_macro": f1_macro(preds, labels),
+                                  "loss": float(pred.metrics["test_loss"])}}
+    C.write_json(Path(a.out), result)
+    return 0
+
+
+def hf_cmd(name: str, work: Path, out_json: Path, *, shape: str, padding: str, group_by_length: bool, seed: int,
+           batch: int, lr: float, max_steps: int | None = None, do_eval: bool = False,
+           warmup_excluded: int = 3) -> list[str]:
+    cmd = [sys.executable, str(Path(__file__).resolve()), "_hf-worker", "--shape", shape, "--out", str(out_json),
+           "--scratch", str(work / "hf-scratch" / name), "--padding", padding, "--seed", str(seed),
+           "--batch-size", str(batch), "--lr", str(lr), "--epochs", f"{ACC_EPOCHS:g}",
+           "--warmup-steps-excluded", str(warmup_excluded)]
+    if group_by_length:
+        cmd.append("--group-by-length")
+    if max_steps is not None:
+        cmd += ["--max-steps", str(max_steps)]
+    if do_eval:
+        cmd.append("--do-eval")
+    return cmd
+
+
+# ----------------------------------------------------------------------------------------------
+# the hpcbert side
+# ----------------------------------------------------------------------------------------------
+
+def hpcbert_args(model: str, batch: int, lr: float, seed: int, *, max_steps: int | None = None,
+                 do_eval: bool = False, extra: list[str] | None = None) -> list[str]:
+    a = ["--task", "classify", "--train-file", str(DATA / "train.tsv"), "--dev-file", str(DATA / "dev.tsv"),
+         "--text-fields", "text_a", "--label-field", "label", "--model", model, "--tokenizer", str(VOCAB),
+         "--max-seq-length", str(SEQ_LEN), "--batch-size", str(batch), "--lr", str(lr), "--optimizer", "adamw",
+         "--weight-decay", str(WEIGHT_DECAY), "--warmup-ratio", str(WARMUP_RATIO), "--max-grad-norm",
+         str(MAX_GRAD_NORM), "--precision", PRECISION, "--seed", str(seed), "--eval-batch-size", str(EVAL_BATCH),
+         "--no-save-model"]
+    a += ["--max-steps", str(max_steps)] if max_steps else ["--epochs", f"{ACC_EPOCHS:g}"]
+    a += ["--do-eval" if do_eval else "--no-do-eval", *(extra or [])]
+    return a
+
+
+# ----------------------------------------------------------------------------------------------
+# accuracy: one (side, seed) per call, in resumable segments
+# ----------------------------------------------------------------------------------------------
+
+def run_segment(cmd: list[str], log: Path, env: dict) -> tuple[int, dict]:
+    """Run `cmd` from the project root, appending to `log`; returns (exit status, noise)."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    b0, o0, t0 = C._cpu_busy_s(), C._own_cpu_s(), time.perf_counter()
+    with open(log, "a") as f:
+        f.write(f"$ {shlex.join(cmd)}\n")
+        f.flush()
+        rc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT).returncode
+    wall = time.perf_counter() - t0
+    other = max(0.0, (C._cpu_busy_s() - b0 - (C._own_cpu_s() - o0)) / wall)
+    return rc, {"other_cores_during": other, "wall_s": wall}
+
+
+def accuracy_segment(side: str, seed: int, work: Path, segment_s: float) -> dict | None:
+    """One segment of the (side, seed) run: at most `segment_s` of training, then a checkpoint (hpcbert:
+    HPCBERT_JOB_DEADLINE + --resume auto; Trainer: its checkpoint + resume_from_checkpoint), so every
+    call stays short and timed measurements get the machine between calls. The finished run's figures,
+    or None while it is not finished."""
+    name = f"acc-{side}-seed{seed}"
+    progress_path = work / "progress" / f"{name}.json"
+    progress = C.read_json(progress_path) if progress_path.is_file() else {"segments": []}
+    env = C.child_env(THREADS)
+    env["HPCBERT_JOB_DEADLINE"] = str(time.time() + segment_s)
+    if side == "hpcbert":
+        out = work / "hpcbert" / name
+        if not (out / "checkpoints").is_dir():
+            C.fresh_dir(out)
+            progress = {"segments": []}
+        args = hpcbert_args(ACC_MODEL, ACC_BATCH, ACC_LR, seed, do_eval=True)
+        cmd = [sys.executable, "-m", "hpcbert.cli", "train", *args, "--threads", str(THREADS), "--out", str(out),
+               "--resume", "auto", "--log-every", "50"]
+    else:
+        scratch = work / "hf-scratch" / name
+        out_json = work / "hf-json" / f"{name}.json"
+        if not scratch.is_dir() or not any(scratch.glob("checkpoint-*")):
+            C.fresh_dir(scratch)
+            progress = {"segments": []}
+        cmd = hf_cmd(name, work, out_json, shape="mini", padding="dynamic", group_by_length=True, seed=seed,
+                     batch=ACC_BATCH, lr=ACC_LR, do_eval=True) + ["--deadline", env["HPCBERT_JOB_DEADLINE"]]
+    say(f"{name}: segment {len(progress['segments']) + 1} ({segment_s / 60:.0f} min of training at most)")
+    rc, noise = run_segment(cmd, work / "logs" / f"{name}.log", env)
+    if rc not in (0, 3):
+        tail = (work / "logs" / f"{name}.log").read_text().splitlines()[-30:]
+        sys.exit(f"compare_hf_chinese: {name} failed (exit {rc}):\n" + "\n".join(tail))
+    progress["segments"].append(noise)
+    C.write_json(progress_path, progress)
+    wall = sum(x["wall_s"] for x in progress["segments"])
+    busy = sum(x["other_cores_during"] * x["wall_s"] for x in progress["segments"]) / wall
+    base = {"side": side, "seed": seed, "segments": len(progress["segments"]), "wall_s": wall,
+            "other_cores_during": busy}
+    if side == "hpcbert":
+        from hpcbert.runfiles import read_summary
+        s = read_summary(out)
+        if s["stopped_by"] not in ("epochs", "max_steps"):
+            return None
+        ev = s["eval"]["dev"]
+        return {**base, "accuracy": ev["accuracy"], "f1_macro": ev["f1_macro"], "eval_loss": ev["loss"],
+                "final_loss": s["final_loss"], "steps": s["steps"], "run_dir": os.path.relpath(out, ROOT),
+                "argv": ["hpcbert", "train", *args, "--threads", str(THREADS)], "sampler": "length-grouped",
+                "padding": "dynamic", "resumed_from_step": s["resumed_from_step"]}
+    if rc == 3:
+        return None
+    r = C.read_json(out_json)
+    ev = r["eval"]["dev"]
+    return {**base, "accuracy": ev["accuracy"], "f1_macro": ev["f1_macro"], "eval_loss": ev["loss"],
+            "final_loss": r["final_loss"], "steps": r["total_steps"], "optim": r["optim"], "sampler": r["sampler"],
+            "padding": r["padding"], "warmup_steps": r["warmup_steps"]}
+
+
+def cmd_accuracy(a) -> int:
+    """One segment of each requested (side, seed) run not yet done; exit 3 while one is unfinished."""
+    results, work = Path(a.results_dir), Path(a.work_dir)
+    sides = [a.side] if a.side else ["hpcbert", "hf"]
+    seeds = [a.seed] if a.seed is not None else list(SEEDS)
+    unfinished = 0
+    for seed in seeds:
+        for side in sides:
+            path = results / "accuracy" / f"{side}-seed{seed}.json"
+            if path.is_file():
+                say(f"{path.name}: already done, skipped")
+                continue
+            rec = accuracy_segment(side, seed, work, a.segment_minutes * 60)
+            if rec is None:
+                unfinished += 1
+                say(f"{side} seed {seed}: not finished; run the same command again to continue")
+                continue
+            C.write_json(path, {**header("accuracy"), **rec})
+            say(f"{path.name}: accuracy {rec['accuracy']:.4f} ({rec['wall_s']:.0f} s in {rec['segments']} segment(s))")
+    return 3 if unfinished else 0
+
+
+# ----------------------------------------------------------------------------------------------
+# throughput: one interleaved pair per call (short, under /work/tools/quiet)
+# ----------------------------------------------------------------------------------------------
+
+def cmd_throughput(a) -> int:
+    results, work = Path(a.results_dir), Path(a.work_dir)
+    path = results / "throughput.json"
+    doc = C.read_json(path) if path.is_file() else {
+        "kind": "throughput", "settings": {"steps": a.steps, "warmup_steps_excluded": a.warmup_excluded,
+                                           "batch_size": TP_BATCH, "max_seq_length": SEQ_LEN, "threads": THREADS,
+                                           "precision": PRECISION, "seed": 42, "lr": 2e-5,
+                                           "model": str(os.path.relpath(VOCAB, ROOT))}, "calls": [], "runs": []}
+    s = doc["settings"]
+    if (s["steps"], s["warmup_steps_excluded"]) != (a.steps, a.warmup_excluded):
+        sys.exit(f"compare_hf_chinese: {path} was measured with --steps {s['steps']} --warmup-excluded "
+                 f"{s['warmup_steps_excluded']}; use those (or another --results-dir)")
+    (hp_label, hp_extra), (hf_label, hf_how) = PAIRS[a.pair]
+    call = header("throughput")
+    call.update(pair=a.pair, repeat=a.repeat)
+    doc["calls"].append(call)
+    # Alternate which side runs first from repeat to repeat, so slow drift hits both alike.
+    order = ("hpcbert", "hf") if a.repeat % 2 else ("hf", "hpcbert")
+    for side in order:
+        name = f"tp-{a.pair}-{side}-r{a.repeat}"
+        if side == "hpcbert":
+            rec = C.hpcbert_record(C.hpcbert_run(name, work, THREADS, hpcbert_args(
+                str(VOCAB), TP_BATCH, s["lr"], s["seed"], max_steps=a.steps,
+                extra=["--warmup-steps-excluded", str(a.warmup_excluded), "--log-every", "1", *hp_extra])))
+            rec["label"] = hp_label
+        else:
+            out_json = work / "hf-json" / f"{name}.json"
+            cmd = hf_cmd(name, work, out_json, shape="base", seed=s["seed"], batch=TP_BATCH, lr=s["lr"],
+                         max_steps=a.steps, warmup_excluded=a.warmup_excluded, **hf_how)
+            say(f"trainer {name}: {hf_how}")
+            noise = C.run_logged(cmd, work / "logs" / f"hf-{name}.log", THREADS)
+            rec = C.read_json(out_json)
+            rec.update(wall_s=noise["wall_s"], noise=noise, label=hf_label)
+        rec.update(pair=a.pair, repeat=a.repeat, side=side, command=call["command"])
+        doc["runs"] = [r for r in doc["runs"] if (r["pair"], r["repeat"], r["side"]) != (a.pair, a.repeat, side)]
+        doc["runs"].append(rec)
+        say(f"  {name}: {rec['steady_sequences_per_sec']:.3f} seq/s, {rec['padded_tokens_per_seq']:.1f} padded "
+            f"tokens/seq (other work: {rec['noise']['other_cores_during']:.2f} cores)")
+        C.write_json(path, doc)
+    return 0
+
+
+def throughput_summary(doc: dict) -> list[dict]:
+    """Per comparison: the per-repeat ratio hpcbert / Trainer of training sequences/s, and its median."""
+    by = {(r["pair"], r["side"], r["repeat"]): r for r in doc["runs"]}
+    combos = [("dynamic", "dynamic", "equal batches, each side at its best (headline)"),
+              ("max", "max", "equal batches, both padded to 128"),
+              ("dynamic", "max", "hpcbert defaults vs Trainer defaults")]
+    out = []
+    for hp_pair, hf_pair, what in combos:
+        reps = sorted(r for (p, side, r) in by if p == hp_pair and side == "hpcbert" and (hf_pair, "hf", r) in by)
+        if not reps:
+            continue
+        hp = [by[(hp_pair, "hpcbert", r)] for r in reps]
+        hf = [by[(hf_pair, "hf", r)] for r in reps]
+        ratios = [x["steady_sequences_per_sec"] / y["steady_sequences_per_sec"] for x, y in zip(hp, hf)]
+        out.append({"comparison": what, "hpcbert_label": hp[0]["label"], "hf_label": hf[0]["label"],
+                    "repeats": reps, "hpcbert_seq_s": [x["steady_sequences_per_sec"] for x in hp],
+                    "hf_seq_s": [y["steady_sequences_per_sec"] for y in hf], "ratios": ratios,
+                    "ratio_median": statistics.median(ratios),
+                    "hpcbert_padded_tokens_per_seq": statistics.mean(x["padded_tokens_per_seq"] for x in hp),
+                    "hf_padded_tokens_per_seq": statistics.mean(y["padded_tokens_per_seq"] for y in hf),
+                    "headline": hp_pair == hf_pair == "dynamic"})
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# render
+# ----------------------------------------------------------------------------------------------
+
+def _fmt(xs, f="{:.2f}") -> str:
+    return ", ".join(f.format(x) for x in xs)
+
+
+def render_accuracy(runs: list[dict]) -> str:
+    from hpcbert.report import markdown_grid, mean_std
+    rows, means = [], {}
+    for side, label in (("hpcbert", "hpcbert (dynamic padding, length-grouped sampler)"),
+                        ("hf", "transformers.Trainer (run_classification.py processing; dynamic padding, "
+                               "group_by_length, adamw_torch_fused)")):
+        rs = sorted((r for r in runs if r["side"] == side), key=lambda r: r["seed"])
+        if not rs:
+            continue
+        acc = [100 * r["accuracy"] for r in rs]
+        f1 = [100 * r["f1_macro"] for r in rs]
+        (acc_m, acc_s), (f1_m, f1_s) = mean_std(acc), mean_std(f1)
+        means[side] = acc_m
+        rows.append([label, ", ".join(str(r["seed"]) for r in rs), _fmt(acc), f"**{acc_m:.2f} ± {acc_s:.2f}**",
+                     f"{f1_m:.2f} ± {f1_s:.2f}", f"{statistics.mean(r['steps'] for r in rs):.0f}",
+                     f"{statistics.mean(r['wall_s'] for r in rs) / 60:.1f}"])
+    lines = [markdown_grid(["side", "seeds", "dev accuracy % per seed", "accuracy mean ± std", "macro F1 mean ± std",
+                            "optimizer steps", "wall min (mean)"], rows).rstrip("\n")]
+    if len(means) == 2:
+        lines += ["", f"Dev accuracy hpcbert − Trainer: **{means['hpcbert'] - means['hf']:+.2f} points** (std: the "
+                      f"sample std over seeds; the same seed is not the same run on the two sides: different "
+                      f"generators draw the weights and the order)."]
+    lines += ["", "Commands (one segment of at most 20 minutes of training each, repeated until the run is done, "
+                  "under `/work/tools/shared nice -n 10`):", ""]
+    lines += [f"- `{r['command']}` ({r['date']}): accuracy {100 * r['accuracy']:.2f}%, {r['segments']} segment(s), "
+              f"other work {r['other_cores_during']:.2f} cores" for r in sorted(runs, key=lambda r: (r["seed"], r["side"]))]
+    return "\n".join(lines)
+
+
+def render_throughput(doc: dict) -> str:
+    from hpcbert.report import markdown_grid
+    s = doc["settings"]
+    lines = [f"Training sequences/s, the bert-base shape with random weights ({s['model']}: 12 layers, 768 wide, "
+             f"21,128-entry vocabulary), batch {s['batch_size']}, max length {s['max_seq_length']}, {s['threads']} "
+             f"threads, {s['precision']}; {s['steps']} steps per run, the first {s['warmup_steps_excluded']} "
+             f"excluded, on both sides timed from the step's batch fetch to the end of its optimizer step "
+             f"(compare_hf.py's span). Ratio = hpcbert / Trainer within a repeat (the two runs of a pair ran back "
+             f"to back in one call), median over repeats.", ""]
+    rows = []
+    for c in throughput_summary(doc):
+        rows.append([c["comparison"], c["hpcbert_label"], c["hf_label"], _fmt(c["hpcbert_seq_s"], "{:.3f}"),
+                     _fmt(c["hf_seq_s"], "{:.3f}"),
+                     f"{c['hpcbert_padded_tokens_per_seq']:.1f} / {c['hf_padded_tokens_per_seq']:.1f}",
+                     _fmt(c["ratios"]) + "x", f"**{c['ratio_median']:.2f}x**"])
+    lines.append(markdown_grid(["comparison", "hpcbert", "Trainer", "hpcbert seq/s per repeat",
+                                "Trainer seq/s per repeat", "padded tokens/seq hpcbert / Trainer",
+                                "ratio per repeat", "ratio (median)"], rows).rstrip("\n"))
+    head = next((c for c in throughput_summary(doc) if c["headline"]), None)
+    if head:
+        lines += ["", f"Headline (equal batches of {s['batch_size']}, each side's dynamic padding with length "
+                      f"grouping): **{head['ratio_median']:.2f}x** the Trainer's training sequences/s."]
+    lines += ["", C.load_line(doc["runs"], s["threads"], doc["calls"][0]["machine"]["cores"]) if doc["calls"] else ""]
+    lines += ["", "Commands (each under `/work/tools/quiet`, which keeps tests and accuracy runs off the machine "
+                  "while it runs):", ""]
+    lines += [f"- `{c['command']}` ({c['date']})" for c in doc["calls"]]
+    lines += ["", "Every run, in the order it ran:", "", markdown_grid(
+        ["pair", "repeat", "side", "seq/s", "padded tokens/seq", "other-work cores during the run"],
+        [[r["pair"], str(r["repeat"]), r["label"], f"{r['steady_sequences_per_sec']:.3f}",
+          f"{r['padded_tokens_per_seq']:.1f}", f"{r['noise']['other_cores_during']:.2f}"] for r in doc["runs"]]).rstrip("\n")]
+    return "\n".join(lines)
+
+
+def render_readme(results: Path) -> str:
+    results = Path(results)
+    L, H, A, I = ACC_SHAPE
+    out = ["# ChnSentiCorp with the Chinese BERT vocabulary: hpcbert vs the Hugging Face Trainer", "",
+           "Generated by `python benchmarks/compare_hf_chinese.py render` from the JSON files in this folder; every "
+           "figure comes from the runs the commands below started.", "",
+           "Data: ChnSentiCorp (train.tsv: 9,600 reviews, `label, text_a`; dev.tsv: 1,200, `qid, label, text_a`), "
+           "tokenised with the bert-base-chinese vocabulary (21,128 entries, cased; every CJK character its own "
+           "token). No Chinese weights are available here: every model on both sides is trained **from random "
+           f"weights**. Both sides: AdamW (PyTorch's fused kernel), weight decay {WEIGHT_DECAY}, linear warm-up "
+           f"{WARMUP_RATIO:g} then linear decay to 0, max grad norm {MAX_GRAD_NORM}, dropout 0.1, max length "
+           f"{SEQ_LEN}, {PRECISION} (this CPU has no native bf16: emulated bf16 is ~100x slower, so every figure is "
+           f"fp32), {THREADS} threads. The Trainer side is transformers' text-classification example "
+           "(run_classification.py) re-implemented in the script: `tokenizer(text, max_length=128, "
+           "truncation=True)`, `AutoModelForSequenceClassification.from_config`, `Trainer.train()`.", ""]
+    out += ["## Accuracy: a small shape from scratch", "",
+            f"{ACC_MODEL} (Turc et al. 2019: {L} layers, {H} wide, {A} heads, FFN {I}; word embeddings for the 21,128-"
+            f"entry vocabulary), batch {ACC_BATCH}, lr {ACC_LR:g}, {ACC_EPOCHS:g} epochs, seeds "
+            f"{', '.join(map(str, SEEDS))}; dev accuracy (the headline) and macro F1. The Trainer runs with dynamic "
+            "padding and group_by_length here (the same maths as padding to 128, in less time).", ""]
+    runs = [C.read_json(p) for p in sorted((results / "accuracy").glob("*.json"))]
+    if runs:
+        out += [f"Measured on {C._machine_line(runs[0])}.", "", render_accuracy(runs), ""]
+    else:
+        out += ["Not measured yet (`accuracy/*.json` is missing).", ""]
+    out += ["## Throughput: the bert-base shape", ""]
+    path = results / "throughput.json"
+    if path.is_file():
+        doc = C.read_json(path)
+        out += [f"Measured {doc['calls'][0]['date']} to {doc['calls'][-1]['date']} on "
+                f"{C._machine_line(doc['calls'][0])}.", "", render_throughput(doc), ""]
+    else:
+        out += ["Not measured yet (`throughput.json` is missing).", ""]
+    return "\n".join(out)
+
+
+def cmd_render(a) -> int:
+    text = render_readme(Path(a.results_dir))
+    (Path(a.results_dir) / "README.md").write_text(text)
+    print(text)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "_hf-worker":  # hidden: one Trainer run in its own process
+        C.use_hpcbert(None)
+        return hf_worker(argv[1:])
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True)
+
+    def common(sp):
+        sp.add_argument("--results-dir", default=str(DEFAULT_RESULTS), help="(default: %(default)s)")
+        sp.add_argument("--work-dir", default=str(DEFAULT_WORK), help="run directories, logs, Trainer scratch "
+                        "(default: %(default)s)")
+        sp.add_argument("--hpcbert-rev", default=None, help="run the hpcbert of this git commit (git archive) "
+                        "instead of the working tree's BERT/")
+
+    sp = sub.add_parser("accuracy", help="dev accuracy of bert-mini from scratch; one (side, seed) per call")
+    common(sp)
+    sp.add_argument("--side", choices=("hpcbert", "hf"), default=None, help="default: both")
+    sp.add_argument("--seed", type=int, default=None, help=f"default: {', '.join(map(str, SEEDS))}")
+    sp.add_argument("--segment-minutes", type=float, default=20,
+                    help="training per call; the run checkpoints and the next call resumes (exit 3 until done; "
+                         "default: %(default)s)")
+    sp.set_defaults(fn=cmd_accuracy)
+    sp = sub.add_parser("throughput", help="one repeat of one interleaved pair (hpcbert, Trainer), bert-base shape")
+    common(sp)
+    sp.add_argument("--pair", choices=tuple(PAIRS), required=True)
+    sp.add_argument("--repeat", type=int, required=True)
+    sp.add_argument("--steps", type=int, default=15)
+    sp.add_argument("--warmup-excluded", type=int, default=3)
+    sp.set_defaults(fn=cmd_throughput)
+    sp = sub.add_parser("render", help="results/chinese/README.md from the JSON files")
+    sp.add_argument("--results-dir", default=str(DEFAULT_RESULTS))
+    sp.set_defaults(fn=cmd_render)
+    a = p.parse_args(argv)
+    C.use_hpcbert(getattr(a, "hpcbert_rev", None))
+    if a.command != "render":
+        check_data()
+    return a.fn(a)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
