@@ -22,7 +22,8 @@ An objective provides
                                   in dataset order, and files for the run directory (predictions)
     example_batch(b, T, vocab) -> (Batch, norm) of b sequences of T tokens, for memory measurements
     hf_config()                -> extra keys of an exported Hugging Face config.json (architectures,
-                                  id2label, ...)
+                                  id2label, ...); architectures[0] is the name of the model.py class
+                                  build_model returns (hpcbert export rebuilds it from a checkpoint)
 Throughput is counted in sequences (examples of a batch) and tokens (`Batch.real_tokens`).
 
 A `Dataset` is anything with `len()`, `.lengths` (tokens per example, for the sampler and for
