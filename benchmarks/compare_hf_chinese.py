@@ -59,6 +59,10 @@ ACC_MODEL, ACC_SHAPE = "bert-mini", (4, 256, 4, 1024)  # layers, hidden, heads, 
 ACC_BATCH, ACC_LR, ACC_EPOCHS = 32, 3e-4, 2.0
 # throughput: the bert-base shape with random weights
 TP_BATCH = 8
+# Steps per run. The Trainer's group_by_length sorts each mega-batch of 50 batches longest first, so
+# its first steps are its longest: a dynamic-padding run covers one whole mega-batch (50 steps) to
+# time batches of representative lengths on both sides. Padded to 128, every step is the same work.
+PAIR_STEPS = {"dynamic": 50, "max": 15}
 
 # Throughput pairs, each run as one interleaved pair per call: (hpcbert label + options, Trainer label + options).
 PAIRS = {
@@ -381,14 +385,15 @@ def cmd_accuracy(a) -> int:
 def cmd_throughput(a) -> int:
     results, work = Path(a.results_dir), Path(a.work_dir)
     path = results / "throughput.json"
+    steps = a.steps or PAIR_STEPS[a.pair]
     doc = C.read_json(path) if path.is_file() else {
-        "kind": "throughput", "settings": {"steps": a.steps, "warmup_steps_excluded": a.warmup_excluded,
+        "kind": "throughput", "settings": {"steps": dict(PAIR_STEPS), "warmup_steps_excluded": a.warmup_excluded,
                                            "batch_size": TP_BATCH, "max_seq_length": SEQ_LEN, "threads": THREADS,
                                            "precision": PRECISION, "seed": 42, "lr": 2e-5,
                                            "model": str(os.path.relpath(VOCAB, ROOT))}, "calls": [], "runs": []}
     s = doc["settings"]
-    if (s["steps"], s["warmup_steps_excluded"]) != (a.steps, a.warmup_excluded):
-        sys.exit(f"compare_hf_chinese: {path} was measured with --steps {s['steps']} --warmup-excluded "
+    if (s["steps"][a.pair], s["warmup_steps_excluded"]) != (steps, a.warmup_excluded):
+        sys.exit(f"compare_hf_chinese: {path} was measured with --steps {s['steps'][a.pair]} --warmup-excluded "
                  f"{s['warmup_steps_excluded']}; use those (or another --results-dir)")
     (hp_label, hp_extra), (hf_label, hf_how) = PAIRS[a.pair]
     call = header("throughput")
@@ -400,13 +405,13 @@ def cmd_throughput(a) -> int:
         name = f"tp-{a.pair}-{side}-r{a.repeat}"
         if side == "hpcbert":
             rec = C.hpcbert_record(C.hpcbert_run(name, work, THREADS, hpcbert_args(
-                str(VOCAB), TP_BATCH, s["lr"], s["seed"], max_steps=a.steps,
+                str(VOCAB), TP_BATCH, s["lr"], s["seed"], max_steps=steps,
                 extra=["--warmup-steps-excluded", str(a.warmup_excluded), "--log-every", "1", *hp_extra])))
             rec["label"] = hp_label
         else:
             out_json = work / "hf-json" / f"{name}.json"
             cmd = hf_cmd(name, work, out_json, shape="base", seed=s["seed"], batch=TP_BATCH, lr=s["lr"],
-                         max_steps=a.steps, warmup_excluded=a.warmup_excluded, **hf_how)
+                         max_steps=steps, warmup_excluded=a.warmup_excluded, **hf_how)
             say(f"trainer {name}: {hf_how}")
             noise = C.run_logged(cmd, work / "logs" / f"hf-{name}.log", THREADS)
             rec = C.read_json(out_json)
@@ -486,8 +491,9 @@ def render_throughput(doc: dict) -> str:
     s = doc["settings"]
     lines = [f"Training sequences/s, the bert-base shape with random weights ({s['model']}: 12 layers, 768 wide, "
              f"21,128-entry vocabulary), batch {s['batch_size']}, max length {s['max_seq_length']}, {s['threads']} "
-             f"threads, {s['precision']}; {s['steps']} steps per run, the first {s['warmup_steps_excluded']} "
-             f"excluded, on both sides timed from the step's batch fetch to the end of its optimizer step "
+             f"threads, {s['precision']}; steps per run: {', '.join(f'{k} pair {v}' for k, v in s['steps'].items())}, "
+             f"the first {s['warmup_steps_excluded']} excluded (the Trainer's group_by_length sorts each "
+             f"mega-batch of 50 batches longest first, so a dynamic run covers a whole mega-batch), on both sides timed from the step's batch fetch to the end of its optimizer step "
              f"(compare_hf.py's span). Ratio = hpcbert / Trainer within a repeat (the two runs of a pair ran back "
              f"to back in one call), median over repeats.", ""]
     rows = []
@@ -584,7 +590,8 @@ def main(argv: list[str] | None = None) -> int:
     common(sp)
     sp.add_argument("--pair", choices=tuple(PAIRS), required=True)
     sp.add_argument("--repeat", type=int, required=True)
-    sp.add_argument("--steps", type=int, default=15)
+    sp.add_argument("--steps", type=int, default=None,
+                    help=f"steps per run (default: {', '.join(f'{k} {v}' for k, v in PAIR_STEPS.items())})")
     sp.add_argument("--warmup-excluded", type=int, default=3)
     sp.set_defaults(fn=cmd_throughput)
     sp = sub.add_parser("render", help="results/chinese/README.md from the JSON files")

@@ -52,7 +52,7 @@ def make_run(parent: str | Path, name: str, *, config: dict[str, Any] | None = N
         "schema_version": SCHEMA_VERSION, "hpcbert_version": "0.1.0", "run": name,
         "task": cfg.task, "model": cfg.model, "model_is_random": False, "num_layers": 6,
         "hidden_size": 384, "max_seq_length": cfg.max_seq_length,
-        "precision": "bf16" if cfg.precision == "auto" else cfg.precision, "compile": cfg.compile,
+        "precision": "bf16" if cfg.precision == "auto" else cfg.precision, "compile": cfg.compile == "on",
         "grad_ckpt": cfg.grad_ckpt, "ckpt_layers": _ckpt_layers(cfg.grad_ckpt, 6),
         "optimizer": cfg.optimizer, "lr": cfg.lr, "lr_scaling": cfg.lr_scaling, "seed": cfg.seed,
         "world_size": world_size, "nodes": nodes, "gpus_per_node": gpus_per_node,
@@ -79,6 +79,7 @@ def make_run(parent: str | Path, name: str, *, config: dict[str, Any] | None = N
         # Keys newer than some runfiles versions: written only where SUMMARY_KEYS has them.
         "tf32": False, "lr_horizon_steps": steps, "lr_horizon_source": "planned steps",
         "nonfinite_grad_steps": 0,
+        "time_to_target_s": None, "steps_to_target": None, "tokens_to_target": None,
     }
     unknown = set(summary) - set(SUMMARY_KEYS)
     assert not unknown, f"not summary keys: {unknown}"

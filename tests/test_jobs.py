@@ -30,7 +30,7 @@ EXAMPLES = {
     f"hpcai_scripts/{preset}.{ext}": ["--scheduler", sched, "--preset", preset, "--container",
                                       "${HPCBERT_IMAGE:-hpcbert.sif}", "--portable", "--dry-run",
                                       "--out-script", f"hpcai_scripts/{preset}.{ext}"]
-    for preset in ("baseline", "optimized") for sched, ext in (("pbs", "pbs"), ("slurm", "sbatch"))
+    for preset in ("baseline", "optimized", "pretrain") for sched, ext in (("pbs", "pbs"), ("slurm", "sbatch"))
 }
 
 
@@ -151,7 +151,7 @@ def test_options_a_scheduler_does_not_know_are_refused_with_the_reason(capsys, s
     (dict(procs_per_node=2), ["--procs-per-node", "one process per GPU"]),
     (dict(gpus_per_node=0, procs_per_node=4, cpus_per_node=2), ["--cpus-per-node", "4 processes"]),
     (dict(stop_margin=5400), ["--stop-margin", "below the walltime"]),
-    (dict(train_args=["--batch-size", "many"]), ["--batch-size", "invalid int"]),
+    (dict(train_args=["--batch-size", "many"]), ["batch_size", "'many'", "integer >= 1 or 'auto'"]),
     (dict(train_args=["--bogus", "1"]), ["--bogus", "hpcbert train"]),
     (dict(job_name="two words"), ["--job-name"]),
     (dict(queue="a b"), ["--queue"]),

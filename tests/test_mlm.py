@@ -184,10 +184,20 @@ def test_masks_are_fresh_per_epoch_fixed_for_evaluation_and_independent_of_the_b
     # evaluation: the same mask whatever the run's seed
     obj2, _, dev2 = objective(data_dir, tok_dir, seed=999)
     e1, e2 = obj.collate(dev["eval"], [0, 1, 2]), obj2.collate(dev2["eval"], [0, 1, 2])
-    assert torch.equal(e1.input_ids, e2.input_ids) and torch.equal(e1.labels["mlm_positions"], e2.labels["mlm_positions"])
+    assert torch.equal(e1.input_ids, e2.input_ids)
+    assert torch.equal(e1.labels["mlm_positions"], e2.labels["mlm_positions"])
     # norm counts what collate selects, for the global batch
     n = obj.norm(train, idx, 0)
     assert n == {"masked": float(len(a.labels["mlm_positions"])), "examples": 12.0}
+
+
+def test_eval_data_scores_every_document_of_another_corpus(data_dir, tok_dir):
+    _, _, dev = objective(data_dir, tok_dir, eval_data=str(data_dir))
+    _, _, own = objective(data_dir, tok_dir)
+    every = sum(len(stream_from_files(data_dir, s)[0]) for s in ("train", "eval"))
+    ev = dev["eval"]
+    assert int((ev.ranges[1] - ev.ranges[0]).sum()) == every  # train and held-out documents, each token once
+    assert int((own["eval"].ranges[1] - own["eval"].ranges[0]).sum()) == len(stream_from_files(data_dir, "eval")[0])
 
 
 # --- packing --------------------------------------------------------------------------------------
@@ -241,7 +251,8 @@ def test_nsp_pairs(data_dir, tok_dir):
     batch = obj.collate(train, np.arange(6), None, 0)
     row, types = originals(batch)[0], batch.token_type_ids[0].numpy()
     na, nb = a1[0] - a0[0], b1[0] - b0[0]
-    assert np.array_equal(row[1:na + 1], tokens[a0[0]:a1[0]]) and np.array_equal(row[na + 2:na + nb + 2], tokens[b0[0]:b1[0]])
+    assert np.array_equal(row[1:na + 1], tokens[a0[0]:a1[0]])
+    assert np.array_equal(row[na + 2:na + nb + 2], tokens[b0[0]:b1[0]])
     assert types[:na + 2].sum() == 0 and types[na + 2:na + nb + 3].all()
     assert torch.equal(batch.labels["nsp"], torch.from_numpy(rnd[:6]))
     # the head: HF BertForPreTraining names, NSP logits and both losses
@@ -330,7 +341,8 @@ def test_poly_decay_follows_the_hand_formula():
 
 def train(tmp: Path, out: str, data_dir, tok_dir, *extra, check=True):
     argv = ["train", "--task", "mlm", "--data-dir", str(data_dir), "--tokenizer", str(tok_dir), "--model", "bert-tiny",
-            "--max-seq-length", "32", "--batch-size", "8", "--lr", "2e-3", "--dropout", "0", "--precision", "fp32",
+            "--max-seq-length", "32", "--batch-size", "8", "--lr", "2e-3", "--dropout", "0",
+            *(["--precision", "fp32"] if "--precision" not in extra else []),
             "--log-every", "1", "--threads", "1", "--out", str(tmp / out), *map(str, extra)]
     rc = hpcbert_main(argv)
     if check:
@@ -353,6 +365,8 @@ def test_eval_every_target_and_summary(tmp_path, data_dir, tok_dir):
     summary = read_summary(tmp_path / "run")
     assert summary["eval"]["eval"]["mlm_accuracy"] == acc[-1] and summary["stopped_by"] == "max_steps"
     assert summary["time_to_target_s"] is None and summary["schema_version"] == 3
+    assert hpcbert_main(["report", str(tmp_path / "run"), "--format", "html", "--out", str(tmp_path / "r.html")]) == 0
+    assert 'alt="Evaluation during training" src="data:image/png' in (tmp_path / "r.html").read_text()
     # the LR of every step: peak x the hand formula (a line logs the LR of the next step, number s)
     total, warm = 3 * spe, round(0.2 * 3 * spe)
     for m in metrics:
@@ -360,6 +374,9 @@ def test_eval_every_target_and_summary(tmp_path, data_dir, tok_dir):
             s = m["step"]
             want = (s + 1) / warm if s < warm else max(0.0, 1 - (s - warm) / (total - warm)) ** 0.5
             assert m["lr"] == pytest.approx(2e-3 * want)
+    # by wall time: rank 0's clock, agreed through the per-step all-reduce (here: after every step)
+    train(tmp_path, "timed", data_dir, tok_dir, "--max-steps", 3, "--eval-every", "0.001s")
+    assert [m["step"] for m in read_metrics(tmp_path / "timed") if "eval" in m] == [1, 2, 3]
     # a target the first evaluation reaches: stop there, with the time, steps and tokens to it
     target = acc[0] * 0.999
     train(tmp_path, "target", data_dir, tok_dir, "--max-steps", 3 * spe, "--eval-every", spe,
@@ -417,9 +434,9 @@ def test_phase_2_init_from_takes_the_weights_and_nothing_else(tmp_path, data_dir
     final = load_state_dict_file(tmp_path / "phase1" / "model")
 
     def phase2(source, out, **kw):
-        cfg = RunConfig(task="mlm", data_dir=str(data_dir), tokenizer=str(tok_dir), model="bert-tiny", max_seq_length=64,
-                        batch_size=4, lr=1e-4, optimizer="lamb", init_from=str(source), out=str(tmp_path / out),
-                        threads=1, **kw)
+        cfg = RunConfig(task="mlm", data_dir=str(data_dir), tokenizer=str(tok_dir), model="bert-tiny",
+                        max_seq_length=64, batch_size=4, lr=1e-4, optimizer="lamb", init_from=str(source),
+                        out=str(tmp_path / out), threads=1, **kw)
         d = dist.init(1, 60)
         return Trainer(cfg, d, objectives.get(cfg))
 
@@ -444,7 +461,7 @@ def test_phase_2_init_from_takes_the_weights_and_nothing_else(tmp_path, data_dir
 
 
 @pytest.mark.slow
-def test_export_of_an_mlm_run_gives_transformers_the_same_logits(tmp_path, data_dir, tok_dir):
+def test_export_of_an_mlm_run_gives_transformers_the_same_logits(tmp_path, data_dir, tok_dir, capsys):
     transformers = pytest.importorskip("transformers")
     train(tmp_path, "run", data_dir, tok_dir, "--max-steps", 2)
     assert hpcbert_main(["export", str(tmp_path / "run"), "--out", str(tmp_path / "hf")]) == 0
@@ -458,6 +475,11 @@ def test_export_of_an_mlm_run_gives_transformers_the_same_logits(tmp_path, data_
         got = ours.eval()(ids["input_ids"], ids["attention_mask"], ids["token_type_ids"])
     m = ids["attention_mask"].bool()
     assert (got - ref)[m].abs().max() <= 1e-4
+    # and hpcbert fine-tunes the export: the encoder loads, the MLM head is reported as not used
+    assert hpcbert_main(["train", "--model", str(tmp_path / "hf"), "--task", "synthetic", "--max-steps", "1",
+                         "--synthetic-train-size", "8", "--synthetic-dev-size", "8", "--threads", "1",
+                         "--out", str(tmp_path / "ft")]) == 0
+    assert "ignored checkpoint tensors not in the model: cls.predictions" in capsys.readouterr().err
 
 
 def test_bad_input_is_one_line_exit_2(tmp_path, data_dir, tok_dir, capsys):
@@ -481,3 +503,17 @@ def test_bad_input_is_one_line_exit_2(tmp_path, data_dir, tok_dir, capsys):
     assert "init_from: " in err("--task", "mlm", "--data-dir", data_dir, "--tokenizer", tok_dir, "--init-from",
                                 tmp_path / "nowhere")
     assert "eval_every: cannot read" in err("--task", "mlm", "--eval-every", "5 minutes")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_a_gpu_bf16_and_the_largest_batch_that_fits(tmp_path, data_dir, tok_dir):
+    """bf16 on the device trains like fp32 (first losses within 2%), and --per-rank-batch auto probes
+    the masked-LM model (its example batch: masked positions, the head at those positions)."""
+    train(tmp_path, "bf16", data_dir, tok_dir, "--max-steps", 4, "--precision", "bf16")
+    train(tmp_path, "fp32", data_dir, tok_dir, "--max-steps", 4, "--precision", "fp32")
+    a, b = read_metrics(tmp_path / "bf16"), read_metrics(tmp_path / "fp32")
+    assert read_summary(tmp_path / "bf16")["precision"] == "bf16"
+    assert abs(a[0]["loss"] - b[0]["loss"]) <= 0.02 * b[0]["loss"]
+    train(tmp_path, "auto", data_dir, tok_dir, "--max-steps", 2, "--per-rank-batch", "auto", "--precision", "bf16")
+    assert read_summary(tmp_path / "auto")["per_device_batch_size"] > 8

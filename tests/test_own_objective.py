@@ -259,3 +259,14 @@ def test_chinese_tokenisation_matches_the_reference_tokenizer_on_hard_cases():
     fast = transformers.AutoTokenizer.from_pretrained(str(src))
     assert ours == ref(texts)["input_ids"]
     assert ours == fast(texts)["input_ids"]
+
+
+def test_a_file_to_predict_needs_no_label_column_but_its_texts_are_checked(tmp_path):
+    from hpcbert.data.own import read_classification
+
+    p = write_rows(tmp_path / "test.csv", [{"text": "good film"}, {"text": "bad plot"}], ["text"])
+    d = read_classification(p, "text", "label", labels=("neg", "pos"), labelled=False)
+    assert [(e.text_a, e.label, e.line) for e in d.examples] == [("good film", 0, 2), ("bad plot", 0, 3)]
+    p = write_rows(tmp_path / "bad.csv", [{"text": "good film"}, {"text": " "}], ["text"])
+    with pytest.raises(ValueError, match=rf"^{p}:3: text: empty text"):
+        read_classification(p, "text", "label", labelled=False)

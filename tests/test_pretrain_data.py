@@ -314,6 +314,35 @@ def test_interrupted_run_starts_over_cleanly(tmp_path, tok_dir, capsys):
     assert file_bytes(out) == file_bytes(tmp_path / "ref")
 
 
+@pytest.mark.parametrize("workers", [1, 2])
+def test_an_interrupted_run_resumes_after_its_last_shard_and_gives_the_same_bytes(tmp_path, tok_dir, capsys,
+                                                                                   monkeypatch, workers):
+    src = tmp_path / "c.txt"
+    src.write_text("\n\n".join(f"Document {i} has some words in it.\nAnd a second line {i}." for i in range(40)))
+    args = ["--eval-docs", "4", "--shard-tokens", "60", "--workers", workers]
+    assert run(tmp_path, [src], "ref", *args, tok=tok_dir) == 0
+    real_add, calls = pretrain._SplitWriter.add, []
+
+    def crashing_add(self, *a):
+        calls.append(1)
+        if len(calls) == 25:  # mid-way, between two resumption points
+            raise KeyboardInterrupt
+        return real_add(self, *a)
+
+    monkeypatch.setattr(pretrain._SplitWriter, "add", crashing_add)
+    with pytest.raises(KeyboardInterrupt):
+        run(tmp_path, [src], "out", *args, tok=tok_dir)
+    monkeypatch.setattr(pretrain._SplitWriter, "add", real_add)
+    left = file_bytes(tmp_path / "out")
+    prog = json.loads(left["progress.json"])
+    assert 0 < prog["index"] < 25 and "metadata.json" not in left
+    assert all(n in file_bytes(tmp_path / "ref") for n in left if n != "progress.json")  # complete shards only
+    capsys.readouterr()
+    assert run(tmp_path, [src], "out", *args, tok=tok_dir) == 0
+    assert f"resuming after {prog['index']} of 40 documents" in capsys.readouterr().err
+    assert file_bytes(tmp_path / "out") == file_bytes(tmp_path / "ref")  # byte-identical, no progress.json left
+
+
 def test_real_wikiextractor_slice(tmp_path, tok_dir):
     wiki = PRETRAIN_DATA / "wiki-en" / "wiki_00"
     if not wiki.is_file():

@@ -406,7 +406,7 @@ def test_bench_report_compares_policies_with_none(tmp_path):
 def test_results_readme_is_deterministic_and_what_the_cli_writes(tmp_path, monkeypatch):
     results = tmp_path / "results"
     make_study(results)
-    bad = make_run(results / "scaling", "broken", schema_version=3)
+    bad = make_run(results / "scaling", "broken", schema_version=99)
     text = report.render_results_readme(results)
     assert text == report.render_results_readme(results)
     assert text.startswith("# Results\n") and README_CMD in text
@@ -414,7 +414,7 @@ def test_results_readme_is_deterministic_and_what_the_cli_writes(tmp_path, monke
     assert not re.search(r"\d{4}-\d{2}-\d{2}|\d\d:\d\d:\d\d", text)  # no timestamps
     assert "## results/policies/" in text and "## results/scaling/" in text
     assert text.index("| 1gpu | 3 | 1,2,3 |") < text.index("| 4gpu |") < text.index("| 8gpu | 3 |")
-    assert "results/scaling/broken/summary.json: schema_version 3" in text
+    assert "results/scaling/broken/summary.json: schema_version 99" in text
     # The scaling table gets speed-up against its smallest world size, named in the caption.
     assert "baseline 1gpu-s1, 1gpu-s2, 1gpu-s3 (world size 1)" in text
     assert text.count("**Table ") == 2

@@ -64,9 +64,10 @@ def test_plots_the_data_cannot_support_become_notes(tmp_path):
     page = out.read_text()
     assert "<img " not in page
     notes = re.findall(r'<p class="note">([^<]*)</p>', page)
-    assert len(notes) == 4
+    assert len(notes) == 5
     assert "world size(s) 1" in notes[0] and "no run has metrics.jsonl" in notes[1]
-    assert "two or more grad_ckpt policies" in notes[2] and "no run was evaluated" in notes[3]
+    assert "no run evaluated during training" in notes[2]
+    assert "two or more grad_ckpt policies" in notes[3] and "no run was evaluated" in notes[4]
 
 
 CHECK_JS = """<script>window.addEventListener("load", function () {

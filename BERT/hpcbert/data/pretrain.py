@@ -28,6 +28,13 @@ hashes the sources and counts documents (so `--eval-docs N` can choose N of them
 tokenises, line by line as BERT's create_pretraining_data does (a line break is whitespace to the
 WordPiece pre-tokenizer, so the ids are those of the whole document). At most one shard's worth of
 tokens (`--shard-tokens`) per split is held in memory, so memory does not grow with the corpus.
+
+Restartable: every time a training shard is written the evaluation split is flushed too and
+progress.json records where both stand (documents done, shards with their sha256). A run that was
+interrupted (killed, disk full, Ctrl-C) and is started again with the same inputs and options keeps
+those shards, reads the documents before that point without tokenising them again, and continues;
+the result is byte-identical to an uninterrupted run. A complete output (metadata.json) is kept as
+it is; anything else is removed before a fresh start.
 """
 
 from __future__ import annotations
@@ -51,7 +58,9 @@ import numpy as np
 FORMAT_VERSION = 2  # bump when the layout of the files or the cleaning rules change (2: line offsets)
 METADATA = "metadata.json"
 SPLITS = ("train", "eval")
-_SHARD_RE = re.compile(r"^((train|eval)_\d{5}\.(tokens|offsets|lines)\.npy|metadata\.json\.tmp)(\.tmp)?$")
+PROGRESS = "progress.json"  # an unfinished run's resumption point, written after each training shard
+_SHARD_RE = re.compile(r"^((train|eval)_\d{5}\.(tokens|offsets|lines)\.npy|(metadata|progress)\.json\.tmp"
+                       r"|progress\.json)(\.tmp)?$")
 _HEADING_RE = re.compile(r"(=+)\s.*\s\1")  # WikiText: "= Title =", "= = Section = ="
 _DOC_OPEN_RE = re.compile(r"<doc(\s[^>]*)?>")
 _BATCH_BYTES = 1 << 20  # text per tokenisation task: large enough to amortise IPC, small to stream
@@ -377,13 +386,49 @@ class _Progress:
             print(file=sys.stderr, flush=True)
 
 
-def _remove_shards(out: Path) -> list[str]:
+def _remove_shards(out: Path, keep: frozenset = frozenset()) -> list[str]:
     removed = []
     for p in sorted(out.iterdir()):
-        if _SHARD_RE.match(p.name):
+        if _SHARD_RE.match(p.name) and p.name not in keep:
             p.unlink()
             removed.append(p.name)
     return removed
+
+
+def _resumable(out: Path, header: dict, log) -> dict | None:
+    """The progress.json of an interrupted run of the same inputs and options whose listed shards are
+    intact (size and sha256), or None (then the run starts over)."""
+    path = out / PROGRESS
+    try:
+        prog = json.loads(path.read_text())
+        if prog["header"] != header:
+            return None
+        for w in prog["writers"].values():
+            for sh in w["shards"]:
+                for kind in ("tokens", "offsets", "lines"):
+                    f = out / sh[kind]["file"]
+                    if not f.is_file() or _sha256_file(f) != sh[kind]["sha256"]:
+                        log(f"prepare-pretraining: {f}: missing or changed since {PROGRESS}; starting over")
+                        return None
+        return prog
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _listed(prog: dict | None) -> frozenset:
+    if not prog:
+        return frozenset()
+    return frozenset([PROGRESS] + [sh[k]["file"] for w in prog["writers"].values() for sh in w["shards"]
+                                   for k in ("tokens", "offsets", "lines")])
+
+
+def _save_progress(out: Path, header: dict, index: int, writers: dict, dropped: Dropped) -> None:
+    """progress.json (atomic): documents done, each split's shards and counts, the tokenisation counts."""
+    state = {s: {k: getattr(w, k) for k in ("shards", "documents", "lines", "tokens")} for s, w in writers.items()}
+    tok_counts = {k: getattr(dropped, k) for k in ("empty_after_tokenisation", "empty_lines_after_tokenisation")}
+    tmp = out / f"{PROGRESS}.tmp"
+    tmp.write_text(json.dumps({"header": header, "index": index, "writers": state, "tokenised_dropped": tok_counts}))
+    os.replace(tmp, out / PROGRESS)
 
 
 def _eval_count(spec: str, n_docs: int) -> int:
@@ -486,7 +531,10 @@ def prepare(opts: Options, log=None) -> dict:
         old["up_to_date"] = True
         return old
     out.mkdir(parents=True, exist_ok=True)
-    removed = _remove_shards(out)  # an interrupted run: no metadata, so its shards are not trusted
+    # An interrupted run of the same inputs and options continues after its last complete training
+    # shard (progress.json); anything else it left (no metadata: not trusted) is removed.
+    resume = _resumable(out, header, log)
+    removed = _remove_shards(out, keep=_listed(resume))
     if removed:
         log(f"prepare-pretraining: {out}: no {METADATA}, removed {len(removed)} files of an unfinished run")
 
@@ -500,8 +548,17 @@ def prepare(opts: Options, log=None) -> dict:
     writers = {s: _SplitWriter(out, s, opts.shard_tokens, dtype) for s in SPLITS}
     dropped2, sources2 = Dropped(), []
     docs = iter_documents(files, opts.errors, dropped2, sources2)
-    progress = _Progress(n_docs, log)
     index = 0
+    if resume:  # documents before the resumption point are read again (cheap), not tokenised again
+        index = resume["index"]
+        for s, w in resume["writers"].items():
+            vars(writers[s]).update(w)
+        for k, v in resume["tokenised_dropped"].items():
+            setattr(dropped2, k, v)
+        docs = (d for i, d in enumerate(docs) if i >= index)
+        log(f"prepare-pretraining: {out}: resuming after {index:,} of {n_docs:,} documents "
+            f"({len(writers['train'].shards)} training shards kept)")
+    progress = _Progress(n_docs, log)
     try:
         for ids, line_lengths, per_doc in _encoded_batches(tok, docs, dtype, opts.workers):
             line_starts = np.concatenate([[0], np.cumsum(line_lengths)])  # (lines + 1,) into ids
@@ -513,8 +570,12 @@ def prepare(opts: Options, log=None) -> dict:
                 else:
                     lens = line_lengths[a:b]
                     dropped2.empty_lines_after_tokenisation += int((lens == 0).sum())
-                    writers["eval" if index in eval_set else "train"].add(
-                        ids[line_starts[a]:line_starts[b]], lens[lens > 0])
+                    split = "eval" if index in eval_set else "train"
+                    shards = len(writers[split].shards)
+                    writers[split].add(ids[line_starts[a]:line_starts[b]], lens[lens > 0])
+                    if split == "train" and len(writers["train"].shards) > shards:
+                        writers["eval"].flush()  # both splits complete up to here: a resumption point
+                        _save_progress(out, header, index + 1, writers, dropped2)
                 index += 1
             progress.update(index, sum(w.tokens + w._buffered for w in writers.values()),
                             sum(s.bytes for s in sources2))
@@ -526,14 +587,16 @@ def prepare(opts: Options, log=None) -> dict:
             raise PrepareError(f"inputs {' '.join(opts.inputs)}: empty corpus, no token in the training "
                                "documents after cleaning and tokenisation")
     except BaseException:
-        _remove_shards(out)  # nothing partial stays behind
+        # Nothing partial stays behind; the shards up to the last resumption point stay for a re-run.
+        _remove_shards(out, keep=_listed(_resumable(out, header, lambda m: None)))
         raise
 
     seq_len = opts.max_seq_length - 2
     meta = dict(header)
     meta["expected_sequences_definition"] = (
         f"ceil(tokens / (max_seq_length - 2)) per split: {seq_len}-token windows packed across documents, "
-        "leaving room for [CLS] and [SEP]; a rough count, the reader's packing decides the exact one")
+        "leaving room for [CLS] and [SEP]; a lower bound, the reader's packing (whole lines, a [SEP] between "
+        "documents) decides the exact count")
     meta["splits"] = {s: {"documents": w.documents, "lines": w.lines, "tokens": w.tokens,
                           "expected_sequences": math.ceil(w.tokens / seq_len), "shards": w.shards}
                       for s, w in writers.items()}
@@ -544,6 +607,7 @@ def prepare(opts: Options, log=None) -> dict:
     tmp = out / f"{METADATA}.tmp"
     tmp.write_text(json.dumps(meta, indent=1) + "\n")
     os.replace(tmp, meta_path)  # last: its presence means the output is complete
+    (out / PROGRESS).unlink(missing_ok=True)
     return meta
 
 

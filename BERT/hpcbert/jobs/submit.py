@@ -74,6 +74,20 @@ PRESETS = {
     "optimized": Preset("2 nodes x 4 GPUs, batch 48, checkpointing on alternate layers (the kit's optimized run)",
                         dict(nodes=2, gpus_per_node=4, cpus_per_node=20, walltime="00:30:00"),
                         dict(_KIT, batch_size=48, grad_ckpt="alternate")),
+    # Masked-LM pre-training phase 1 as NVIDIA's and DeepSpeed's BERT-Large recipe: seq 128, LAMB at a
+    # global batch of 65,536 (64 x 8 GPUs x 128 accumulation), LR 6e-3, 28.43% warm-up, polynomial
+    # decay power 0.5, 7,038 steps; $PRETRAIN_DATA is hpcbert prepare-pretraining's output and
+    # $BERT_VOCAB the vocabulary it was prepared with (unset: minilm-l6's uncased one). The job
+    # checkpoints every 30 minutes; submitting it again continues the run. Phase 2 is the same command
+    # with --max-seq-length 512 --init-from runs/bert-pretrain (see the README).
+    "pretrain": Preset("2 nodes x 4 GPUs, masked-LM pre-training phase 1 (seq 128, LAMB, global batch 65536, "
+                       "checkpointing on alternate layers)",
+                       dict(nodes=2, gpus_per_node=4, cpus_per_node=20, walltime="12:00:00"),
+                       dict(task="mlm", data_dir="${PRETRAIN_DATA:?set PRETRAIN_DATA to the prepared data}",
+                            model="${BERT_MODEL:-bert-large}", tokenizer="${BERT_VOCAB:-}", max_seq_length=128,
+                            optimizer="lamb", lr=6e-3, warmup_ratio=0.2843, lr_decay="poly", poly_power=0.5,
+                            max_steps=7038, batch_size=64, grad_accum=128, grad_ckpt="alternate",
+                            checkpoint_every="30m", eval_every="1000")),
 }
 
 

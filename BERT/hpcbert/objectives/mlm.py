@@ -108,7 +108,8 @@ class MaskedLM:
                 return Sequences.pairs(stream, cfg.max_seq_length, ids, seed, origin)
             return Sequences.packed(stream, cfg.max_seq_length, ids, origin)
 
-        sha_of = lambda p, split: ",".join(s["tokens"]["sha256"][:16] for s in p.metadata["splits"][split]["shards"])  # noqa: E731
+        def sha_of(p, split: str) -> str:  # the split's shards, for the data fingerprint
+            return ",".join(s["tokens"]["sha256"][:16] for s in p.metadata["splits"][split]["shards"])
         train = sequences(prep.splits["train"], f"train {sha_of(prep, 'train')}", cfg.seed)
         if not cfg.do_eval:
             return train, {}
@@ -177,7 +178,8 @@ class MaskedLM:
         row = torch.div(batch.labels["mlm_positions"], T, rounding_mode="floor")
         logits = logits.detach().float()
         per_token = F.cross_entropy(logits, labels, reduction="none")
-        sums = lambda v: torch.zeros(B, dtype=torch.float64, device=v.device).index_add_(0, row, v.double())  # noqa: E731
+        def sums(v: torch.Tensor) -> torch.Tensor:  # (m,) per masked token -> (B,) per sequence
+            return torch.zeros(B, dtype=torch.float64, device=v.device).index_add_(0, row, v.double())
         out = {"masked": sums(torch.ones_like(per_token)), "correct": sums((logits.argmax(-1) == labels).float()),
                "loss": sums(per_token)}
         if nsp_logits is not None:

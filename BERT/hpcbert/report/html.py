@@ -8,7 +8,7 @@ from typing import Sequence
 
 import pandas as pd
 
-from .plots import plot_dev_metric, plot_loss_curves, plot_policies, plot_scaling
+from .plots import plot_dev_metric, plot_eval_curves, plot_loss_curves, plot_policies, plot_scaling
 from .renderers import glossary
 from .tables import bare, build_table, caption_text, column_texts, display_columns, numeric_column
 
@@ -74,6 +74,9 @@ def render_html(tables: Sequence[pd.DataFrame], runs: Sequence[dict],
         ("Throughput vs world size", "Steady sequences/s (mean ± std over seeds) against ideal linear "
          "scaling from the smallest world size.", lambda: plot_scaling(overall)),
         ("Training loss", "Loss vs optimizer step from metrics.jsonl.", lambda: plot_loss_curves(runs)),
+        ("Evaluation during training", "Headline metric of the evaluations during training (--eval-every; "
+         "masked-LM accuracy for pre-training) against training tokens seen; dotted: the target.",
+         lambda: plot_eval_curves(runs)),
         ("Gradient checkpointing policies", "Activation bytes per sequence and step time per grad_ckpt "
          "policy, relative to none where a none run exists.", lambda: plot_policies(overall)),
         ("Dev metric", "Headline dev metric per row with the spread over seeds.",

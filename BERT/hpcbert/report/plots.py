@@ -107,6 +107,46 @@ def plot_loss_curves(runs: Sequence[dict]) -> tuple[str | None, str]:
     return _png_base64(fig), ""
 
 
+def plot_eval_curves(runs: Sequence[dict]) -> tuple[str | None, str]:
+    """The main metric of evaluations during training (--eval-every lines of metrics.jsonl) against
+    training tokens seen, one line per run, one panel per task: masked-LM accuracy vs tokens for
+    pre-training, as MLPerf plots time to train."""
+    def points(r: dict) -> list[tuple[float, float]]:
+        main = r["summary"]["main_metric"]
+        pts = []
+        for m in r["metrics"]:
+            ev = m.get("eval")
+            if isinstance(ev, dict) and is_number(m.get("tokens_seen")):
+                vals = [v[main] for _, v in sorted(ev.items()) if isinstance(v, dict) and is_number(v.get(main))]
+                if vals:
+                    pts.append((float(m["tokens_seen"]), float(vals[0])))
+        return pts
+
+    with_evals = [(r, points(r)) for r in sorted(runs, key=lambda r: r["label"])]
+    with_evals = [(r, p) for r, p in with_evals if p]
+    if not with_evals:
+        return None, "Skipped: no run evaluated during training (--eval-every lines in metrics.jsonl)."
+    tasks = sorted({r["summary"]["task"] for r, _ in with_evals})
+    fig = _figure(8.0, 3.6 * len(tasks))
+    axes = fig.subplots(len(tasks), 1, squeeze=False)[:, 0]
+    colors = _colors()
+    for ax, task in zip(axes, tasks):
+        rows = [(r, p) for r, p in with_evals if r["summary"]["task"] == task]
+        main = rows[0][0]["summary"]["main_metric"]
+        for n, (r, pts) in enumerate(rows):
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", markersize=3,
+                    color=colors[n % len(colors)], label=r["label"], linewidth=1.2)
+            target = r["config"].get("target_mlm_accuracy")
+            if is_number(target):
+                ax.axhline(target, color=colors[n % len(colors)], linestyle=":", linewidth=1)
+        ax.set_title(f"task {task}: {main} during training", fontsize=10)
+        ax.set_xlabel("training tokens seen")
+        ax.set_ylabel(main)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    return _png_base64(fig), ""
+
+
 def plot_policies(table: pd.DataFrame) -> tuple[str | None, str]:
     """Activation bytes per sequence and step time per grad_ckpt policy, relative to 'none' where
     the table has it (table from build_table(..., policy_columns=True))."""
