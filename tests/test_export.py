@@ -81,7 +81,9 @@ def test_tied_weights_are_saved_once_under_the_name_hf_keeps(tmp_path):
     m = _TiedLM(TINY)
     sd = hf_state_dict(m)
     assert "bert.embeddings.word_embeddings.weight" in sd and "cls.predictions.decoder.weight" not in sd
-    assert len(sd) == len(m.state_dict()) - 1
+    # every tensor under HF's names (fused Q/K/V as query/key/value), the tied decoder once
+    n_layers = len(m.bert.encoder.layer)
+    assert len(sd) == len(m.state_dict()) + 4 * n_layers - 1
     out = export.write_hf_dir(tmp_path / "hf", m, {"architectures": ["BertForMaskedLM"]}, None)
     saved = load_file(str(out / "model.safetensors"))
     assert set(saved) == set(sd) and torch.equal(saved["bert.embeddings.word_embeddings.weight"],

@@ -2,6 +2,7 @@
 
     hpcbert train  [options]           one training run (under torchrun for several processes)
     hpcbert bench  [options]           one short time-boxed run per checkpointing policy + table
+    hpcbert plan --memory 40GiB [opts] the largest batch per checkpointing policy, and the fastest
     hpcbert report RUN_DIR... [opts]   tables and an HTML report from run directories
     hpcbert submit [opts] -- [train]   render a PBS Pro / Torque / Slurm job script and submit it
     hpcbert prepare-pretraining IN...  raw text -> sharded token arrays for masked-LM pre-training
@@ -28,6 +29,9 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] == "prepare-pretraining":
         from .data import pretrain
         return pretrain.cli(argv[1:])
+    if argv and argv[0] == "plan":  # torch imported inside, only when planning
+        from . import plan
+        return plan.cli(argv[1:])
     if argv and argv[0] == "export":
         from . import export
         return export.cli(argv[1:])
@@ -43,6 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("report", help="tables and an HTML report from run directories (see hpcbert report --help)")
     sub.add_parser("submit", help="render a PBS Pro / Torque / Slurm job script and submit it (see hpcbert submit --help)")
     sub.add_parser("prepare-pretraining", help="raw text -> sharded token arrays (see hpcbert prepare-pretraining --help)")
+    sub.add_parser("plan", help="the largest batch per checkpointing policy and the fastest (see hpcbert plan --help)")
     sub.add_parser("export", help="a run's model as a Hugging Face directory (see hpcbert export --help)")
 
     ns = parser.parse_args(argv)

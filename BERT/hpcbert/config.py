@@ -16,7 +16,9 @@ import typing
 from dataclasses import dataclass, fields
 from typing import Any
 
-GRAD_CKPT_HELP = "none | alternate (every second layer) | all | every:K (every K-th layer)"
+GRAD_CKPT_HELP = ("none | alternate (every second layer) | all | every:K (every K-th layer) | selective (every "
+                  "layer keeps its matmul outputs, recomputes the element-wise work) | offload (CUDA: saved "
+                  "activations wait in pinned host memory) | auto (hpcbert plan's fastest that fits)")
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
 OPTIMIZERS = ("adamw", "lamb")
 SAMPLERS = ("random", "length-grouped", "sequential")
@@ -57,12 +59,35 @@ def parse_duration(text: str | float | int | None, what: str = "duration") -> fl
 def parse_grad_ckpt(policy: str) -> str:
     """Validate a checkpointing policy string; returns it normalised."""
     p = policy.strip().lower()
-    if p in ("none", "alternate", "all"):
+    if p in ("none", "alternate", "all", "selective", "offload", "auto"):
         return p
     m = re.fullmatch(r"every:(\d+)", p)
     if m and int(m.group(1)) >= 1:
         return f"every:{int(m.group(1))}"
     raise ValueError(f"grad_ckpt: unknown policy {policy!r}; accepted: {GRAD_CKPT_HELP}")
+
+
+def parse_batch_size(value: int | str) -> int | str:
+    """32, '32' -> 32; 'auto' -> 'auto' (the planner's batch); anything else is refused."""
+    s = str(value).strip().lower()
+    if s == "auto":
+        return "auto"
+    if isinstance(value, bool) or not re.fullmatch(r"\d+", s) or int(s) < 1:
+        raise ValueError(f"batch_size: {value!r} is not accepted; give an integer >= 1 or 'auto'")
+    return int(s)
+
+
+COMPILE_MODES = ("auto", "on", "off")
+
+
+def parse_compile(value: str | bool) -> str:
+    """'auto' | 'on' | 'off'; true/false (config.json of runs before --compile auto) -> on/off."""
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    s = str(value).strip().lower()
+    s = {"true": "on", "false": "off"}.get(s, s)
+    _choice("compile", s, COMPILE_MODES)
+    return s
 
 
 def parse_per_rank_batch(text: str | None) -> list[int] | str | None:
@@ -119,8 +144,8 @@ class RunConfig:
     """Longest tokenised sequence; longer inputs are truncated (longest first)."""
 
     # --- batch arithmetic: global = per-device x accumulation x world size ---
-    batch_size: int = 32
-    """Per-device micro-batch size (sequences per forward pass on one device)."""
+    batch_size: int | str = 32
+    """Per-device micro-batch size (sequences per forward pass on one device), or auto: hpcbert plan's batch for this device's free memory at --max-seq-length and --grad-ckpt (the smallest within 2% of the predicted throughput of the largest that fits)."""
     grad_accum: int = 1
     """Micro-batches accumulated per optimizer step."""
     per_rank_batch: str | None = None
@@ -160,9 +185,9 @@ class RunConfig:
     precision: str = "auto"
     """auto (bf16 where the device has native bf16, else fp32), fp32, bf16 (autocast) or fp16 (autocast + loss scaler)."""
     grad_ckpt: str = "none"
-    """Gradient checkpointing policy: none, alternate, all, every:K."""
-    compile: bool = False
-    """torch.compile the model."""
+    """Gradient checkpointing policy: none, alternate (every second layer), all, every:K, selective (every layer keeps its matmul outputs and recomputes the element-wise work), offload (CUDA: saved activations wait in pinned host memory), or auto (hpcbert plan's fastest policy that fits this device's free memory)."""
+    compile: str = "auto"
+    """torch.compile the model: on, off, or auto (on where it was measured faster and exact: see policies.COMPILE_AUTO). --compile alone is on; config.json files of older runs with true/false read as on/off."""
     dropout: float | None = None
     """Override the model's dropout probabilities (hidden and attention)."""
     init_from: str | None = None
@@ -258,9 +283,11 @@ class RunConfig:
         if self.keep_last < 2:
             raise ValueError(f"keep_last: must be >= 2 (the newest checkpoint may be damaged), got {self.keep_last}")
         self.per_rank_batch = format_per_rank_batch(parse_per_rank_batch(self.per_rank_batch))
+        self.batch_size = parse_batch_size(self.batch_size)
+        self.compile = parse_compile(self.compile)
         if self.dist_timeout <= 0:
             raise ValueError(f"dist_timeout: must be > 0 seconds, got {self.dist_timeout}")
-        for name in ("max_seq_length", "batch_size", "grad_accum", "eval_batch_size", "log_every",
+        for name in ("max_seq_length", "grad_accum", "eval_batch_size", "log_every",
                      "synthetic_train_size", "synthetic_dev_size", "doc_stride", "max_query_length",
                      "n_best_size", "max_answer_length"):
             if getattr(self, name) < 1:
@@ -373,7 +400,14 @@ def add_arguments(parser: argparse.ArgumentParser, defaults: dict[str, Any] | No
         default = defaults.get(f.name, f.default)
         tp = _base_type(f.type)
         text = helps.get(f.name, "").replace("%", "%%")
-        if tp is bool:
+        if f.name == "compile":  # --compile alone (and presets' compile: true) is on; --no-compile is off
+            parser.add_argument(flag, nargs="?", const="on", type=str, default=default,
+                                help=f"{text} (default: {default})")
+            parser.add_argument("--no-compile", dest="compile", action="store_const", const="off",
+                                help=argparse.SUPPRESS)
+        elif f.name == "batch_size":
+            parser.add_argument(flag, type=str, default=default, help=f"{text} (default: {default})")
+        elif tp is bool:
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=text)
         elif f.name in _DURATIONS:
             parser.add_argument(flag, type=str, default=default, help=f"{text} (default: {default})")

@@ -23,6 +23,8 @@ from typing import Callable
 import numpy as np
 import torch
 from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from . import __version__
 
@@ -76,39 +78,51 @@ class StepMeter:
 
 def activation_bytes_per_sequence(model: nn.Module, loss_of: Callable[[int], torch.Tensor],
                                   device: torch.device) -> int:
-    """Bytes the forward pass saves for backward, per sequence.
+    """Bytes the forward pass leaves allocated on `device` for backward, per sequence.
 
     `loss_of(b)` runs the objective's forward and loss (under the run's autocast) on b sequences
-    of the run's longest length. Counts every tensor storage handed to autograd's saved-tensor
-    hooks (each storage once, parameters excluded) for a batch of 2 and a batch of 1, and returns
-    the difference, which cancels batch-independent tensors (autocast's weight copies, position
-    ids). Gradient checkpointing shows up here directly: a checkpointed layer saves only its
-    input. The model must be in training mode (dropout masks count). RNG state is restored.
+    of the run's longest length. Counts every tensor storage that an operation creates on the
+    device during that call and that is still alive when it returns (each storage once), for a
+    batch of 2 and a batch of 1, and returns the difference, which cancels batch-independent
+    tensors (autocast's weight copies, RNG states). That is what autograd's saved-tensor hooks see
+    (tensors saved for backward, the inputs a checkpoint keeps) plus what selective checkpointing
+    caches outside autograd; tensors `offload` moved to host memory do not count on a GPU.
+    Gradient checkpointing shows up here directly: a checkpointed layer keeps only its input.
+    The model must be in training mode (dropout masks count). RNG state is restored.
     """
     assert model.training, "measure activations in training mode"
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
 
     def saved_bytes(batch: int) -> int:
-        seen: set[int] = set()
-        total = 0
-
-        def pack(t: torch.Tensor) -> torch.Tensor:
-            nonlocal total
-            st = t.untyped_storage()
-            ptr = st.data_ptr()
-            if ptr not in params and ptr not in seen:
-                seen.add(ptr)
-                total += st.nbytes()
-            return t
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            loss = loss_of(batch)  # the loss's own saved tensors count too
+        with _StoragesCreated(device) as created:
+            loss = loss_of(batch)
+        total = created.alive_bytes()
         del loss
         return total
 
     devices = [device] if device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices):
         return saved_bytes(2) - saved_bytes(1)
+
+
+class _StoragesCreated(TorchDispatchMode):
+    """Records (weakly) every storage that operations create on `device` while active."""
+
+    def __init__(self, device: torch.device):
+        super().__init__()
+        self.device_type = device.type
+        self.created: dict[int, tuple[StorageWeakRef, int]] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in torch.utils._pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.device.type == self.device_type:
+                st = t.untyped_storage()
+                # A weak reference holds the storage's control block, so its id is not reused while we look.
+                self.created.setdefault(st._cdata, (StorageWeakRef(st), st.nbytes()))
+        return out
+
+    def alive_bytes(self) -> int:
+        return sum(nbytes for ref, nbytes in self.created.values() if not ref.expired())
 
 
 def peak_memory(device: torch.device) -> tuple[int, str]:
@@ -164,6 +178,19 @@ def measure_cpu_peak(dtype: torch.dtype, n: int = 1024, trials: int = 5) -> floa
             reps += 1
         rates.append(2 * n ** 3 * reps / (time.perf_counter() - t0))
     return max(rates)
+
+
+def cpu_bandwidth(nbytes: int = 1 << 27, trials: int = 5) -> float:
+    """Host memory bandwidth in bytes/s (read + write) of a tensor copy at the current thread count:
+    the fastest of `trials` (other work on a shared machine only lowers a trial)."""
+    src, dst = torch.ones(nbytes // 4), torch.empty(nbytes // 4)
+    dst.copy_(src)
+    best = 0.0
+    for _ in range(trials):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        best = max(best, 2 * nbytes / (time.perf_counter() - t0))
+    return best
 
 
 def peak_flops(device: torch.device, precision: str, refresh: bool = False) -> tuple[float | None, str]:

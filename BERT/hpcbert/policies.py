@@ -2,12 +2,22 @@
 
 The model has one forward path. Checkpointing wraps chosen encoder layers in place with PyTorch's
 own `checkpoint_wrapper` (the one torchtitan and FSDP use), which keeps state_dict keys unchanged,
-so checkpoints and HF weights load the same with or without it.
+so checkpoints and HF weights load the same with or without it. What a wrapped layer keeps for
+backward is the policy:
+
+    alternate, all, every:K  its input only; the whole layer is recomputed in backward
+    selective                (every layer) the outputs of its matmuls (Q/K/V, attention scores and
+                             values, output projection, feed-forward); the element-wise work between
+                             them (dropout, GELU, LayerNorm, softmax) is recomputed: PyTorch's
+                             selective activation checkpointing
+    offload                  (every layer, CUDA) everything, in pinned host memory: copied out during
+                             forward, back for backward (torch.autograd.graph.save_on_cpu)
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 from torch import nn
@@ -15,18 +25,22 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
     CheckpointWrapper,
     checkpoint_wrapper,
 )
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from .config import parse_grad_ckpt
 
+POLICIES = ("none", "alternate", "all", "selective", "offload")  # the named ones; every:K besides
+
 
 def ckpt_layer_indices(policy: str, num_layers: int) -> list[int]:
-    """Encoder layers to checkpoint. alternate = every second layer (0, 2, 4, ...), what the
-    HPC-AI 2020 kit's modeling_v2 did; every:K = layers 0, K, 2K, ...; all = every layer."""
+    """Encoder layers to wrap. alternate = every second layer (0, 2, 4, ...), what the HPC-AI 2020
+    kit's modeling_v2 did; every:K = layers 0, K, 2K, ...; all, selective, offload = every layer."""
     policy = parse_grad_ckpt(policy)
+    if policy == "auto":
+        raise ValueError("grad_ckpt: 'auto' is resolved by the planner (hpcbert plan) before the model is wrapped")
     if policy == "none":
         return []
-    k = {"all": 1, "alternate": 2}.get(policy) or int(policy.split(":")[1])
+    k = {"all": 1, "selective": 1, "offload": 1, "alternate": 2}.get(policy) or int(policy.split(":")[1])
     return [i for i in range(num_layers) if i % k == 0]
 
 
@@ -39,15 +53,54 @@ def _checkpoint_in_training(module: nn.Module, *args, **kwargs):
     return module(*args, **kwargs)
 
 
-def apply_grad_ckpt(model: nn.Module, policy: str) -> list[int]:
+# Selective: what a layer keeps. Matmuls are worth keeping (their recomputation is most of a
+# forward); everything else is element-wise and cheap to redo. Random ops (dropout masks) must be
+# recomputed, never kept: the recomputation replays the generator from the layer's start, and a
+# kept draw would shift every later one.
+_KEEP = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default}
+
+
+def _selective_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if op in _KEEP else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _selective_in_training(module: nn.Module, *args, **kwargs):
+    if module.training and torch.is_grad_enabled():
+        return checkpoint(module, *args, use_reentrant=False, preserve_rng_state=True,
+                          context_fn=functools.partial(create_selective_checkpoint_contexts, _selective_policy),
+                          **kwargs)
+    return module(*args, **kwargs)
+
+
+def _offload_in_training(module: nn.Module, *args, **kwargs):
+    if module.training and torch.is_grad_enabled():
+        # Pinned host memory so the copies overlap with compute (non-blocking); CPU-only tests
+        # run it unpinned (torch cannot pin without CUDA).
+        with torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available()):
+            return module(*args, **kwargs)
+    return module(*args, **kwargs)
+
+
+def wrap_layers(model: nn.Module, policy: str) -> list[int]:
     """Wrap the chosen layers of `model.bert.encoder.layer` in place; returns their indices."""
     layers: nn.ModuleList = model.bert.encoder.layer  # type: ignore[assignment]
     if any(isinstance(l, CheckpointWrapper) for l in layers):
         raise RuntimeError("gradient checkpointing is already applied to this model")
+    policy = parse_grad_ckpt(policy)
+    fn = {"selective": _selective_in_training, "offload": _offload_in_training}.get(policy, _checkpoint_in_training)
     chosen = ckpt_layer_indices(policy, len(layers))
     for i in chosen:
-        layers[i] = checkpoint_wrapper(layers[i], checkpoint_fn=_checkpoint_in_training)
+        layers[i] = checkpoint_wrapper(layers[i], checkpoint_fn=fn)
     return chosen
+
+
+def apply_grad_ckpt(model: nn.Module, policy: str) -> list[int]:
+    """`wrap_layers`, after checking that the policy can run on the model's device."""
+    device = next(model.parameters()).device
+    if parse_grad_ckpt(policy) == "offload" and device.type != "cuda":
+        raise ValueError(f"grad_ckpt: offload keeps saved activations in host memory while a GPU computes; on "
+                         f"{device.type} they are in host memory already (use none, selective, alternate or all)")
+    return wrap_layers(model, policy)
 
 
 def device_has_native_bf16(device: torch.device) -> bool:
@@ -98,6 +151,18 @@ def grad_scaler(precision: str, device: torch.device) -> torch.amp.GradScaler:
     return torch.amp.GradScaler(device.type, enabled=(precision == "fp16"))
 
 
+# --compile auto, per device type: on only where it was measured faster than eager (benchmarks/
+# compare_hf.py compile) and exact (same losses, tests/test_trainer.py). Neither is yet: the encoder's
+# attention is a graph break (a loop over host lengths), and no GPU was measured; off until one is.
+COMPILE_AUTO = {"cpu": False, "cuda": False}
+
+
+def resolve_compile(mode: str, device: torch.device) -> bool:
+    """--compile on | off | auto -> whether to compile."""
+    return mode == "on" or (mode == "auto" and COMPILE_AUTO.get(device.type, False))
+
+
 def maybe_compile(model: nn.Module, enabled: bool) -> nn.Module:
-    # dynamic=True: batches are padded to their longest sequence, so T varies from step to step.
+    # dynamic=True: batches are padded to their longest sequence, so T varies from step to step
+    # (and the number of real tokens with it). Attention is a graph break (model.attention).
     return torch.compile(model, dynamic=True) if enabled else model

@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from . import PROCESS_START, __version__, batching, dist, meters, objectives, policies, zoo
+from . import plan as planner
 from .checkpoint import Checkpoint, CheckpointError, CheckpointManager
 from .config import RESUMABLE_CHANGES, RunConfig
 from .data.features import epoch_order, global_batches, shard
@@ -153,6 +154,8 @@ class Trainer:
         # Files are rank 0's decisions: the run directory (a default one is timestamped) ...
         self.run_dir = Path(dist.decide(d, lambda: str(Path(cfg.out) if cfg.out else default_run_dir(cfg))))
         self.cfg = cfg = cfg.replace(out=str(self.run_dir))
+        if "auto" in (cfg.batch_size, cfg.grad_ckpt):  # hpcbert plan, on rank 0, for every rank
+            self.cfg = cfg = dist.decide(d, lambda: planner.resolve_auto(cfg, d.device, lambda m: log(d, m)))
         # ... and the checkpoint to resume from, checked (sha256 once, on rank 0) before anything is loaded.
         self.ckman = CheckpointManager(self.run_dir / "checkpoints", cfg.keep_last, d.rank, d.world_size,
                                        lambda: dist.barrier(d), lambda item: dist.all_gather_objects(d, item))
@@ -187,7 +190,8 @@ class Trainer:
             # Gradients are all-reduced in 25 MB buckets, overlapping the rest of the backward pass.
             model = nn.parallel.DistributedDataParallel(
                 model, device_ids=[d.local_rank] if d.device.type == "cuda" else None, bucket_cap_mb=25)
-        self.model = policies.maybe_compile(model, cfg.compile)
+        self.compiled = policies.resolve_compile(cfg.compile, d.device)
+        self.model = policies.maybe_compile(model, self.compiled)
         self.optimizer = make_optimizer(cfg, self.raw, self.plan.lr, d.device)
         self.schedule = LRSchedule(self.plan.warmup_steps, self.plan.total_steps,
                                    cfg.poly_power if cfg.lr_decay == "poly" else 1.0)
@@ -697,7 +701,7 @@ class Trainer:
             "max_seq_length": cfg.max_seq_length,
             "precision": self.precision,
             "tf32": self.tf32,
-            "compile": cfg.compile,
+            "compile": self.compiled,
             "grad_ckpt": cfg.grad_ckpt,
             "ckpt_layers": self.ckpt_layers,
             "optimizer": cfg.optimizer,

@@ -1,0 +1,300 @@
+"""`hpcbert plan`: the largest batch each checkpointing policy fits into a device's memory, and the
+fastest policy and batch, predicted before a run starts.
+
+    memory(policy, b) = state + b x (activations(policy) + workspace)
+      state        parameters (fp32) + gradients (fp32) + optimizer state (AdamW and LAMB: two fp32
+                   moments) + under bf16/fp16 autocast the low-precision copies of the matmul weights
+      activations  bytes per sequence the forward keeps for backward at --max-seq-length, counted
+                   as the run's summary counts them (meters.activation_bytes_per_sequence: storages
+                   created during forward and still alive at its end, batch 2 minus batch 1) on the
+                   whole model built in PyTorch's FakeTensorMode: shapes and dtypes without memory
+                   or compute, so bert-large at 512 is measured in a second on any machine
+      workspace    what backward holds beside them, per sequence: the gradients in flight through
+                   one layer plus, where the layer recomputes, that layer's activations again: twice
+                   one plain layer's bytes
+    A fraction of the memory (5% on CUDA, for the allocator's fragmentation) is kept free.
+
+    time(policy, b) = b x t_seq x cost(policy) + t_opt, throughput = b / time
+      t_seq   training FLOPs of one sequence (model.flops_per_sequence) / (peak FLOP/s x 0.5)
+      cost    1 + forward FLOPs recomputed / training FLOPs: a layer recomputed whole reruns its
+              forward, 1/3 of its training FLOPs; selective recomputes no matmul (cost 1)
+      offload per sequence max(compute, the saved bytes out to the host and back over its link)
+      t_opt   the optimizer's memory traffic (read and write parameters, gradients and both
+              moments: 32 bytes per parameter) / the device's memory bandwidth
+    The fastest policy is the one with the highest throughput at its largest batch; its batch is
+    the smallest one within 2% of that (a bigger batch only amortises t_opt further).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import re
+import sys
+from dataclasses import dataclass
+
+from . import config
+from .config import RunConfig
+
+PLAN_POLICIES = ("none", "selective", "alternate", "all", "offload")
+MFU_ASSUMED = 0.5          # share of the peak a training step reaches (for the time model only)
+FRAGMENTATION = 0.05       # CUDA: memory kept free for the caching allocator
+WITHIN = 0.02              # the recommended batch: the smallest within this of the best throughput
+OPT_BYTES_PER_PARAM = 32   # optimizer step traffic: read + write of parameter, gradient, two moments
+
+# Device memory bandwidth (data sheets) and host link (PCIe x16, usable one way) for the time model.
+GPU_BANDWIDTH = [(r"H200", 4.8e12, 50e9), (r"H100.*NVL", 3.9e12, 50e9), (r"H100.*PCIe", 2.0e12, 50e9),
+                 (r"H100", 3.35e12, 50e9), (r"A100", 2.0e12, 25e9), (r"L40S", 0.864e12, 25e9),
+                 (r"A10G?(?![0-9])", 0.6e12, 25e9), (r"V100", 0.9e12, 12e9), (r"T4(?![0-9])", 0.32e12, 12e9)]
+
+
+def parse_bytes(text: str) -> int:
+    """'40GiB', '80GB', '512MiB', '1e9' -> bytes."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?(?:e\d+)?)\s*([KMGT]i?B|B)?\s*", str(text), re.IGNORECASE)
+    if not m:
+        raise ValueError(f"memory: cannot read {text!r}; accepted: a number of bytes or one with a unit "
+                         f"(40GiB, 80GB, 512MiB)")
+    unit = (m.group(2) or "B").upper()
+    scale = {"B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12,
+             "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}[unit]
+    return int(float(m.group(1)) * scale)
+
+
+@dataclass
+class PolicyPlan:
+    policy: str
+    activation_bytes_per_sequence: int | None  # None: the policy cannot run on this device
+    workspace_bytes_per_sequence: int | None
+    largest_batch: int                         # 0: not even one sequence fits
+    cost: float | None                         # step time vs none at equal batch (time model)
+    seq_per_s: float | None                    # predicted at the largest batch
+    note: str = ""
+
+
+@dataclass
+class Plan:
+    model: str
+    max_seq_length: int
+    precision: str
+    optimizer: str
+    device: str
+    memory_bytes: int
+    state_bytes: dict[str, int]
+    policies: list[PolicyPlan]
+    best_policy: str | None
+    best_batch: int
+    t_seq: float   # predicted seconds per sequence without recomputation
+    t_opt: float   # predicted seconds of an optimizer step
+
+    @property
+    def state_total(self) -> int:
+        return sum(self.state_bytes.values())
+
+    def get(self, policy: str) -> PolicyPlan:
+        return next(p for p in self.policies if p.policy == policy)
+
+    def table(self) -> str:
+        gib = 2**30
+        lines = [f"hpcbert plan: {self.model} at length {self.max_seq_length}, {self.precision}, {self.optimizer}, "
+                 f"{self.memory_bytes / gib:.1f} GiB on {self.device}",
+                 "state " + ", ".join(f"{k} {v / gib:.2f}" for k, v in self.state_bytes.items())
+                 + f" GiB (total {self.state_total / gib:.2f} GiB)", "",
+                 f"{'policy':10s} {'act MiB/seq':>11s} {'workspace':>9s} {'largest batch':>13s} {'cost':>5s} "
+                 f"{'pred seq/s':>10s}"]
+        for p in self.policies:
+            if p.activation_bytes_per_sequence is None:
+                lines.append(f"{p.policy:10s} {'—':>11s} {'—':>9s} {'—':>13s} {'—':>5s} {'—':>10s}  {p.note}")
+                continue
+            lines.append(f"{p.policy:10s} {p.activation_bytes_per_sequence / 2**20:11.2f} "
+                         f"{p.workspace_bytes_per_sequence / 2**20:9.2f} {p.largest_batch:13d} {p.cost:5.2f} "
+                         f"{(p.seq_per_s or 0):10.1f}  {p.note}")
+        lines.append("")
+        if self.best_policy is None:
+            lines.append("nothing fits: not one sequence with any policy (shorter --max-seq-length, smaller model, "
+                         "more memory)")
+        else:
+            lines.append(f"fastest: --grad-ckpt {self.best_policy} --batch-size {self.best_batch} (predicted)")
+        return "\n".join(lines)
+
+
+def _model_config(cfg: RunConfig):
+    from . import zoo
+
+    mcfg = zoo.resolve(cfg.model, cfg.tokenizer).config
+    if cfg.dropout is not None:
+        mcfg = dataclasses.replace(mcfg, hidden_dropout_prob=cfg.dropout, attention_probs_dropout_prob=cfg.dropout)
+    return mcfg
+
+
+def measure_activations(cfg: RunConfig, policy: str, device, precision: str) -> tuple[int, int, int]:
+    """(activation bytes per sequence, parameters, parameters of Linear layers) of `cfg`'s model with `policy`, at
+    --max-seq-length, counted in FakeTensorMode (no memory, no compute)."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from . import meters, objectives, policies
+
+    obj = objectives.get(cfg)
+    mcfg = _model_config(cfg)
+    with FakeTensorMode(), torch.random.fork_rng(devices=[]):
+        with torch.device(device):
+            model = obj.build_model(mcfg).train()
+        policies.wrap_layers(model, policy)
+
+        def loss_of(b: int):
+            batch, norm = obj.example_batch(b, cfg.max_seq_length, mcfg.vocab_size)
+            batch = batch.to(device)
+            with policies.autocast(precision, device):
+                return obj.loss(model, obj.forward(model, batch), batch, norm)
+
+        act = meters.activation_bytes_per_sequence(model, loss_of, device)
+        params = sum(p.numel() for p in model.parameters())
+        lowp = sum(m.weight.numel() + (m.bias.numel() if m.bias is not None else 0)
+                   for m in model.modules() if isinstance(m, torch.nn.Linear))
+    return act, params, lowp
+
+
+def device_constants(device) -> tuple[float, float, float | None, str]:
+    """(peak FLOP/s, memory bandwidth B/s, host link B/s or None, where they come from) of `device`."""
+    import torch
+
+    from . import meters
+
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        peak, src = meters.gpu_peak_flops(name, "bf16")
+        for pattern, bw, link in GPU_BANDWIDTH:
+            if re.search(pattern, name):
+                return peak or 100e12, bw, link, f"{src}; bandwidth: data sheet"
+        return peak or 100e12, 1e12, 12e9, f"{src}; bandwidth of {name} unknown: 1 TB/s assumed"
+    peak, src = meters.peak_flops(device, "fp32")
+    return peak, meters.cpu_bandwidth(), None, f"{src}; bandwidth: measured tensor copy"
+
+
+def make_plan(cfg: RunConfig, memory_bytes: int | None = None, device=None,
+              policies_: tuple[str, ...] = PLAN_POLICIES) -> Plan:
+    """The plan for `cfg`'s model, length, precision and optimizer on `device` (default: this
+    process's) with `memory_bytes` (default: the device's free memory)."""
+    import torch
+
+    from . import policies
+    from .model import flops_per_sequence
+
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    precision = policies.resolve_precision(cfg.precision, device)
+    if memory_bytes is None:
+        memory_bytes = device_free_memory(device)
+    usable = memory_bytes * (1 - FRAGMENTATION) if device.type == "cuda" else memory_bytes
+    runnable = [p for p in policies_ if p != "offload" or device.type == "cuda"]
+    measured = {p: measure_activations(cfg, p, device, precision) for p in dict.fromkeys(("none", "all", *runnable))}
+    none_act, params, lowp = measured["none"]
+    state = {"parameters": 4 * params, "gradients": 4 * params, "optimizer": 8 * params}
+    if precision in ("bf16", "fp16"):
+        state["autocast weights"] = 2 * lowp
+    mcfg = _model_config(cfg)
+    L = mcfg.num_hidden_layers
+    per_layer = max(0, none_act - measured["all"][0]) / L  # a plain layer's bytes beyond a checkpointed one's input
+    peak, bw, link, _ = device_constants(device)
+    t_seq = flops_per_sequence(mcfg, cfg.max_seq_length) / (peak * MFU_ASSUMED)
+    t_opt = OPT_BYTES_PER_PARAM * params / bw
+    free = usable - sum(state.values())
+    plans = []
+    for p in policies_:
+        if p not in runnable:
+            plans.append(PolicyPlan(p, None, None, 0, None, None, "CUDA only"))
+            continue
+        act = measured[p][0]
+        workspace = int(per_layer * (1 if p in ("none", "offload") else 2))
+        largest = max(0, int(free // (act + workspace)))
+        recomputed = 0 if p in ("none", "selective", "offload") else len(policies.ckpt_layer_indices(p, L))
+        seq_time = t_seq * (1.0 + recomputed / (3 * L))
+        if p == "offload" and link:
+            seq_time = max(seq_time, 2 * (none_act - act) / link)
+        plans.append(PolicyPlan(p, act, workspace, largest, seq_time / t_seq,
+                                largest / (largest * seq_time + t_opt) if largest else None))
+    ok = [p for p in plans if p.seq_per_s]
+    best = max(ok, key=lambda p: (p.seq_per_s, -p.cost)) if ok else None
+    batch = recommended_batch(best.cost * t_seq, t_opt, best.largest_batch) if best else 0
+    return Plan(cfg.model, cfg.max_seq_length, precision, cfg.optimizer, _device_name(device), int(memory_bytes),
+                state, plans, best.policy if best else None, batch, t_seq, t_opt)
+
+
+def recommended_batch(seq_time: float, t_opt: float, largest: int) -> int:
+    """The smallest batch b whose throughput b / (b seq_time + t_opt) is within WITHIN of the
+    throughput at `largest`."""
+    if largest < 1:
+        return 0
+    def rate(b: int) -> float:
+        return b / (b * seq_time + t_opt)
+
+    target = (1 - WITHIN) * rate(largest)
+    # b / (b s + o) >= target  <=>  b (1 - target s) >= target o; then one step either way for rounding
+    b = min(largest, max(1, math.ceil(target * t_opt / (1 - target * seq_time))))
+    while b > 1 and rate(b - 1) >= target:
+        b -= 1
+    while b < largest and rate(b) < target:
+        b += 1
+    return b
+
+
+def _device_name(device) -> str:
+    import torch
+
+    from .meters import cpu_name
+
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU ({cpu_name()})"
+
+
+def device_free_memory(device) -> int:
+    """Free memory of a CUDA device now, or the host's available memory (MemAvailable)."""
+    import torch
+
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    raise ValueError("memory: cannot read the host's available memory; pass --memory")
+
+
+def resolve_auto(cfg: RunConfig, device, log=print) -> RunConfig:
+    """--grad-ckpt auto and --batch-size auto, from the plan for this device's free memory: the
+    fastest policy (auto) or the given one, and its recommended batch (auto) or the given one."""
+    if cfg.batch_size != "auto" and cfg.grad_ckpt != "auto":
+        return cfg
+    plan = make_plan(cfg, None, device, PLAN_POLICIES if cfg.grad_ckpt == "auto" else (cfg.grad_ckpt,))
+    if cfg.grad_ckpt == "auto":
+        policy, batch = plan.best_policy, plan.best_batch
+    else:
+        p = plan.policies[0]
+        policy, batch = p.policy, recommended_batch(p.cost * plan.t_seq, plan.t_opt, p.largest_batch)
+    if not batch:
+        raise ValueError(f"batch_size auto: not one sequence of {cfg.max_seq_length} tokens fits "
+                         f"{plan.memory_bytes / 2**30:.1f} GiB with --grad-ckpt {cfg.grad_ckpt} (see hpcbert plan)")
+    batch = batch if cfg.batch_size == "auto" else cfg.batch_size
+    log(f"plan for {plan.memory_bytes / 2**30:.1f} GiB free on {plan.device}: --grad-ckpt {policy} "
+        f"--batch-size {batch} (hpcbert plan prints the table)")
+    return cfg.replace(grad_ckpt=policy, batch_size=batch)
+
+
+def add_options(p: argparse.ArgumentParser) -> None:
+    config.add_arguments(p)
+    p.add_argument("--memory", default=None,
+                   help="device memory to plan for (40GiB, 80GB; default: this device's free memory)")
+
+
+def cli(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="hpcbert plan", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_options(p)
+    ns = p.parse_args(argv)
+    try:
+        memory = parse_bytes(ns.memory) if ns.memory else None
+        cfg = config.from_namespace(ns)
+        print(make_plan(cfg, memory).table())
+    except (ValueError, FileNotFoundError) as e:
+        print(f"hpcbert plan: error: {e}", file=sys.stderr)
+        return 2
+    return 0

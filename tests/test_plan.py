@@ -1,0 +1,164 @@
+"""hpcbert plan: predicted memory against what the allocator really hands out (CPU, every policy),
+the largest-batch arithmetic, --batch-size/--grad-ckpt auto, and on a GPU against probing."""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import io
+import platform
+
+import pytest
+import torch
+
+from hpcbert import objectives, plan, policies
+from hpcbert.config import RunConfig
+from hpcbert.optim import make_optimizer
+
+CFG = RunConfig(task="synthetic", model="bert-tiny", max_seq_length=128, precision="fp32")
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                               "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+
+def malloc_in_use():
+    """Bytes glibc's malloc has handed out and not taken back (heap chunks + mmapped chunks):
+    where PyTorch's CPU tensors live. Independent of how hpcbert counts."""
+    if platform.system() != "Linux":
+        pytest.skip("glibc mallinfo2 (Linux) measures the allocations")
+    libc = ctypes.CDLL("libc.so.6")
+    if not hasattr(libc, "mallinfo2"):
+        pytest.skip("glibc < 2.33: no mallinfo2")
+    libc.mallinfo2.restype = _MallInfo2
+    return lambda: (lambda m: m.uordblks + m.hblkhd)(libc.mallinfo2())
+
+
+@pytest.mark.parametrize("policy", ["none", "selective", "alternate", "all"])
+def test_predicted_state_and_activations_within_5_percent_of_allocated(policy):
+    in_use = malloc_in_use()
+    p = plan.make_plan(CFG, memory_bytes=8 * 2**30, device="cpu", policies_=(policy,))
+    batch = 48
+    obj = objectives.get(CFG)
+    torch.manual_seed(0)
+    m0 = in_use()
+    model = obj.build_model(plan._model_config(CFG)).train()
+    params = in_use() - m0
+    policies.wrap_layers(model, policy)
+    opt = make_optimizer(CFG, model, 1e-4, torch.device("cpu"))
+    b, norm = obj.example_batch(batch, CFG.max_seq_length, model.config.vocab_size)
+    m1 = in_use()
+    loss = obj.loss(model, obj.forward(model, b), b, norm)
+    acts = in_use() - m1
+    loss.backward()
+    del loss
+    opt.step()  # gradients stay allocated (the trainer frees them after the step)
+    grads_and_moments = in_use() - m1
+    measured = {"state": params + grads_and_moments, "activations": acts}
+    predicted = {"state": p.state_total, "activations": batch * p.get(policy).activation_bytes_per_sequence}
+    for k in measured:
+        assert predicted[k] == pytest.approx(measured[k], rel=0.05), (k, predicted, measured)
+    assert sum(predicted.values()) == pytest.approx(sum(measured.values()), rel=0.05)
+
+
+def test_largest_batch_is_what_the_memory_holds():
+    p = plan.make_plan(CFG, memory_bytes=4 * 2**30, device="cpu", policies_=("none", "all"))
+    for pp in p.policies:
+        per_seq = pp.activation_bytes_per_sequence + pp.workspace_bytes_per_sequence
+        k = 37
+        q = plan.make_plan(CFG, memory_bytes=p.state_total + k * per_seq, device="cpu", policies_=(pp.policy,))
+        assert q.get(pp.policy).largest_batch == k
+        q = plan.make_plan(CFG, memory_bytes=p.state_total + k * per_seq - 1, device="cpu", policies_=(pp.policy,))
+        assert q.get(pp.policy).largest_batch == k - 1
+    # checkpointing everything fits more than nothing at all; recomputation is predicted to cost
+    assert p.get("all").largest_batch > p.get("none").largest_batch
+    assert p.get("all").cost == pytest.approx(1 + 1 / 3)  # every layer reruns its forward
+
+
+def test_recommended_batch_is_the_smallest_within_two_percent():
+    s, o = 0.01, 0.5
+    b = plan.recommended_batch(s, o, 10_000)
+    best = 10_000 / (10_000 * s + o)
+    assert b / (b * s + o) >= 0.98 * best > (b - 1) / ((b - 1) * s + o)
+    assert plan.recommended_batch(s, o, 3) == 3 and plan.recommended_batch(s, o, 0) == 0
+
+
+def test_auto_batch_and_policy_resolve_from_the_plan(monkeypatch):
+    monkeypatch.setattr(plan, "device_free_memory", lambda device: 3 * 2**30)
+    # fixed device constants: the CPU's are measured (bandwidth), and differ from call to call
+    monkeypatch.setattr(plan, "device_constants", lambda device: (1e11, 1e10, None, "test"))
+    out = plan.resolve_auto(CFG.replace(batch_size="auto", grad_ckpt="auto"), torch.device("cpu"), log=lambda m: None)
+    p = plan.make_plan(CFG, 3 * 2**30, "cpu")
+    assert (out.grad_ckpt, out.batch_size) == (p.best_policy, p.best_batch)
+    assert isinstance(out.batch_size, int) and out.batch_size >= 1
+    fixed = plan.resolve_auto(CFG.replace(batch_size="auto", grad_ckpt="all"), torch.device("cpu"), log=lambda m: None)
+    assert fixed.grad_ckpt == "all" and 1 <= fixed.batch_size <= p.get("all").largest_batch
+    monkeypatch.setattr(plan, "device_free_memory", lambda device: 2**20)
+    with pytest.raises(ValueError, match="batch_size auto: not one sequence of 128 tokens fits"):
+        plan.resolve_auto(CFG.replace(batch_size="auto"), torch.device("cpu"))
+
+
+def test_cli_prints_every_policy_and_the_fastest():
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert plan.cli(["--memory", "2GiB", "--model", "bert-tiny", "--max-seq-length", "64",
+                         "--precision", "fp32"]) == 0
+    text = out.getvalue()
+    for policy in ("none", "selective", "alternate", "all"):
+        assert f"\n{policy} " in text
+    assert "offload" in text and "CUDA only" in text
+    assert "fastest: --grad-ckpt " in text
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        assert plan.cli(["--memory", "lots"]) == 2
+    assert "memory: cannot read 'lots'" in err.getvalue()
+
+
+def test_parse_bytes():
+    assert plan.parse_bytes("40GiB") == 40 * 2**30
+    assert plan.parse_bytes("80GB") == 80 * 10**9
+    assert plan.parse_bytes("512mib") == 512 * 2**20
+    assert plan.parse_bytes("1000") == 1000
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("policy", ["none", "selective", "alternate", "all", "offload"])
+def test_predicted_largest_batch_against_probing_on_the_gpu(policy):
+    """A memory limit below the GPU's (set_per_process_memory_fraction); the largest batch whose
+    whole training step (forward, backward, optimizer step) fits, found by bisection, against
+    the plan's prediction for that limit."""
+    from hpcbert.batching import largest_that_fits
+
+    dev = torch.device("cuda")
+    cfg = RunConfig(task="synthetic", model="bert-base", max_seq_length=512, precision="bf16")
+    limit = 8 * 2**30
+    torch.cuda.set_per_process_memory_fraction(limit / torch.cuda.get_device_properties(dev).total_memory, dev)
+    predicted = plan.make_plan(cfg, limit, dev, (policy,)).get(policy).largest_batch
+    obj = objectives.get(cfg)
+
+    def fits(b: int) -> bool:
+        model = opt = None
+        try:
+            model = obj.build_model(plan._model_config(cfg)).to(dev).train()
+            policies.apply_grad_ckpt(model, policy)
+            opt = make_optimizer(cfg, model, 1e-4, dev)
+            batch, norm = obj.example_batch(b, cfg.max_seq_length, model.config.vocab_size)
+            batch = batch.to(dev)
+            with policies.autocast("bf16", dev):
+                loss = obj.loss(model, obj.forward(model, batch), batch, norm)
+            loss.backward()
+            opt.step()
+            torch.cuda.synchronize(dev)
+            return True
+        except torch.cuda.OutOfMemoryError:
+            return False
+        finally:
+            del model, opt
+            torch.cuda.empty_cache()
+
+    probed = largest_that_fits(fits, 4 * max(1, predicted))
+    torch.cuda.set_per_process_memory_fraction(1.0, dev)
+    print(f"{policy}: predicted {predicted}, probed {probed}")
+    assert predicted <= probed <= 1.25 * predicted + 1

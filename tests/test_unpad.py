@@ -1,0 +1,284 @@
+"""The encoder computes on real tokens only (unpadded), with fused Q/K/V and its own attention and
+dropout kernels: the same loss and gradients as Hugging Face's padded BertModel, with every
+checkpointing policy and under DDP; less work on padded batches; HF names on the way in and out."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from hpcbert import policies
+from hpcbert.meters import activation_bytes_per_sequence
+from hpcbert.model import (BertConfig, BertForSequenceClassification, Tokens, _CpuAttention, drop_mask,
+                           hf_state_dict, load_pretrained, padded_attention, split_qkv)
+
+TINY = dict(vocab_size=500, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, intermediate_size=128,
+            max_position_embeddings=64)
+NO_DROPOUT = dict(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+
+
+def transformers():
+    return pytest.importorskip("transformers")
+
+
+def padded_batch(B: int = 6, T: int = 21):
+    """Lengths with ties side by side (one attention group), a full row and a very short one."""
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(5, TINY["vocab_size"], (B, T), generator=g)
+    lengths = torch.tensor([T, 13, 13, 4, T, 9])[:B]
+    mask = torch.arange(T)[None, :] < lengths[:, None]
+    ids[~mask] = 0
+    types = torch.zeros_like(ids)
+    types[:, 7:] = 1
+    return ids, mask, types, torch.tensor([0, 1, 1, 0, 1, 0])[:B]
+
+
+def ours_and_hf(policy: str = "none", **cfg):
+    """Our model (with `policy`) and HF's BertForSequenceClassification holding the same weights."""
+    tf = transformers()
+    torch.manual_seed(0)
+    c = {**TINY, **NO_DROPOUT, **cfg}
+    ours = BertForSequenceClassification(BertConfig(**c))
+    hf = tf.BertForSequenceClassification(tf.BertConfig(**c, attn_implementation="eager"))
+    hf.load_state_dict(hf_state_dict(ours), strict=True)
+    policies.wrap_layers(ours, policy)
+    return ours.train(), hf.train()
+
+
+def hf_loss_and_grads(hf, ids, mask, types, labels):
+    out = hf(input_ids=ids, attention_mask=mask.long(), token_type_ids=types)
+    loss = torch.nn.functional.cross_entropy(out.logits, labels, reduction="sum")
+    loss.backward()
+    return loss.detach(), {n: p.grad for n, p in hf.named_parameters()}
+
+
+def our_grads(m) -> dict[str, torch.Tensor]:
+    """Gradients under HF names (fused Q/K/V split; checkpoint wrappers' prefix removed)."""
+    return split_qkv({n.replace("._checkpoint_wrapped_module", ""): p.grad for n, p in m.named_parameters()})
+
+
+def assert_same_grads(grads, ref, tol=1e-5):
+    assert grads.keys() == ref.keys()
+    # The key bias's gradient is zero in exact arithmetic (softmax ignores a constant added to a
+    # row): both sides hold rounding noise there, so it is compared at the scale of the whole gradient.
+    floor = 1e-6 * torch.cat([g.flatten() for g in ref.values()]).norm()
+    for name, g in grads.items():
+        rel = (g - ref[name]).norm() / torch.maximum(ref[name].norm(), floor)
+        assert rel <= tol, f"gradient of {name} differs by {rel:.2e} relative"
+
+
+@pytest.mark.parametrize("policy", ["none", "alternate", "all", "selective", "offload"])
+def test_loss_and_gradients_equal_hf_padded_model(policy):
+    ours, hf = ours_and_hf(policy)
+    ids, mask, types, labels = padded_batch()
+    ref_loss, ref_grads = hf_loss_and_grads(hf, ids, mask, types, labels)
+    loss = ours.loss_sum(ours(ids, mask, types), labels)
+    loss.backward()
+    assert torch.allclose(loss, ref_loss, rtol=1e-6, atol=0)
+    assert_same_grads(our_grads(ours), ref_grads)
+
+
+def test_sequence_output_is_hf_at_real_tokens_and_zero_at_padding():
+    ours, hf = ours_and_hf()
+    ours.eval(), hf.eval()
+    ids, mask, types, _ = padded_batch()
+    with torch.no_grad():
+        seq, pooled = ours.bert(ids, mask, types)
+        ref = hf.bert(input_ids=ids, attention_mask=mask.long(), token_type_ids=types)
+    assert (seq - ref.last_hidden_state)[mask].abs().max() <= 1e-5
+    assert (pooled - ref.pooler_output).abs().max() <= 1e-5
+    assert seq[~mask].abs().max() == 0
+
+
+def _ddp_rank(rank: int, world: int, port: int, tmp: str) -> None:
+    """One rank (a process of its own, started by the test below): its half of the batch under DDP."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    torch.set_num_threads(1)
+    m = BertForSequenceClassification(BertConfig(**TINY, **NO_DROPOUT))
+    m.load_state_dict(torch.load(f"{tmp}/state.pt"))
+    policies.wrap_layers(m, "alternate")
+    ddp = torch.nn.parallel.DistributedDataParallel(m.train())
+    ids, mask, types, labels = padded_batch()
+    rows = slice(rank * 3, rank * 3 + 3)  # each rank its half; DDP averages, so x world for the sum
+    loss = m.loss_sum(ddp(ids[rows], mask[rows], types[rows]), labels[rows]) * world
+    loss.backward()
+    torch.save(our_grads(m), f"{tmp}/grads{rank}.pt")
+    dist.destroy_process_group()
+
+
+def test_ddp_two_ranks_give_the_padded_models_gradient(tmp_path):
+    import socket
+    import subprocess
+    import sys
+
+    ours, hf = ours_and_hf()
+    _, ref_grads = hf_loss_and_grads(hf, *padded_batch())
+    torch.save(ours.state_dict(), tmp_path / "state.pt")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    here = os.path.dirname(os.path.abspath(__file__))
+    procs = [subprocess.Popen([sys.executable, "-c", f"import sys; sys.path.insert(0, {here!r}); import test_unpad; "
+                               f"test_unpad._ddp_rank({r}, 2, {port}, {str(tmp_path)!r})"])
+             for r in range(2)]
+    assert [p.wait(timeout=120) for p in procs] == [0, 0]
+    for r in range(2):  # DDP left the same, all-reduced gradient on both ranks
+        assert_same_grads(torch.load(tmp_path / f"grads{r}.pt"), ref_grads)
+
+
+def test_cpu_attention_backward_with_dropout_is_the_derivative():
+    """Finite differences (fp64) through the kernel that draws its dropout masks again in backward."""
+    g = torch.Generator().manual_seed(1)
+    lengths = [5, 5, 3, 7]
+    n, H, N = sum(lengths), 8, 2
+    tokens = Tokens.of(torch.arange(7)[None] < torch.tensor(lengths)[:, None], 4, 7, torch.device("cpu"))
+    qkv = torch.randn(n, 3 * H, dtype=torch.float64, generator=g, requires_grad=True)
+
+    def f(x):
+        torch.manual_seed(5)  # the same masks on every call
+        return _CpuAttention.apply(x, tokens.groups, N, 0.3)
+
+    assert torch.autograd.gradcheck(f, (qkv,), eps=1e-6, atol=1e-7, fast_mode=True)
+    # and dropout really dropped something: without it the output differs
+    assert not torch.allclose(f(qkv), _CpuAttention.apply(qkv, tokens.groups, N, 0.0))
+
+
+def test_cpu_attention_equals_padded_sdpa_without_dropout():
+    ids, mask, _, _ = padded_batch()
+    tokens = Tokens.of(mask, *ids.shape, torch.device("cpu"))
+    qkv = torch.randn(int(mask.sum()), 3 * 64, dtype=torch.float64)
+    ours = _CpuAttention.apply(qkv, tokens.groups, 4, 0.0)
+    assert (ours - padded_attention(qkv, tokens, 4, 0.0).reshape_as(ours)).abs().max() <= 1e-12
+
+
+def test_drop_mask_rate_and_scale_keep_the_expectation():
+    torch.manual_seed(0)
+    mask, scale = drop_mask((1000, 1000), 0.1, torch.device("cpu"))
+    p = round(0.1 * 65536) / 65536  # p rounded to 1/65536
+    assert scale == pytest.approx(1 / (1 - p), rel=1e-12)
+    sigma = (p * (1 - p) / 1e6) ** 0.5
+    assert abs(mask.float().mean().item() - p) < 5 * sigma
+    for lane in range(4):  # each 16-bit lane of a 64-bit draw is uniform on its own
+        assert abs(mask.view(-1, 4)[:, lane].float().mean().item() - p) < 5 * 2 * sigma
+
+
+def test_padding_costs_no_token_wise_work():
+    """FLOPs counted by PyTorch: a batch with half of its positions padded costs half of a full one."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    torch.manual_seed(0)
+    m = BertForSequenceClassification(BertConfig(**TINY)).train()
+    ids = torch.randint(5, 500, (4, 32))
+
+    def flops(mask):
+        with FlopCounterMode(display=False) as fc:
+            m.loss_sum(m(ids, mask, torch.zeros_like(ids)), torch.zeros(4, dtype=torch.long)).backward()
+        return fc.get_total_flops()
+
+    full = flops(None)
+    half = flops((torch.arange(32)[None] < 16).expand(4, 32))
+    assert 0.45 < half / full < 0.5  # attention (quadratic in length) falls faster than half
+
+
+def test_hf_names_round_trip_and_old_checkpoints_load(tmp_path):
+    tf = transformers()
+    torch.manual_seed(1)
+    hf = tf.BertModel(tf.BertConfig(**TINY))
+    hf.save_pretrained(tmp_path)
+    m = BertForSequenceClassification(BertConfig(**TINY))
+    rep = load_pretrained(m, tmp_path)
+    assert rep.unexpected == [] and rep.mismatched == []
+    assert rep.missing == ["classifier.bias", "classifier.weight"]
+    ref = {"bert." + k: v for k, v in hf.state_dict().items() if "position_ids" not in k}
+    out = hf_state_dict(m)
+    assert {k for k in out if not k.startswith("classifier")} == set(ref)
+    assert all(torch.equal(out[k], ref[k]) for k in ref)
+    # A state dict with the three HF projections (this project's checkpoints before the fusion) loads strictly.
+    m2 = BertForSequenceClassification(BertConfig(**TINY))
+    m2.load_state_dict(hf_state_dict(m), strict=True)
+    assert all(torch.equal(a, b) for a, b in zip(m.state_dict().values(), m2.state_dict().values()))
+
+
+def test_a_missing_projection_is_named_and_the_others_load(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    tf = transformers()
+    tf.BertModel(tf.BertConfig(**TINY)).save_pretrained(tmp_path)
+    sd = load_file(str(tmp_path / "model.safetensors"))
+    key_w = sd.pop("encoder.layer.2.attention.self.key.weight")
+    save_file(sd, str(tmp_path / "model.safetensors"))
+    m = BertForSequenceClassification(BertConfig(**TINY))
+    before = m.bert.encoder.layer[2].attention.self.qkv.weight.detach().clone()
+    rep = load_pretrained(m, tmp_path)
+    assert "bert.encoder.layer.2.attention.self.key.weight" in rep.missing
+    w = m.bert.encoder.layer[2].attention.self.qkv.weight.detach()
+    H = TINY["hidden_size"]
+    assert torch.equal(w[:H], sd["encoder.layer.2.attention.self.query.weight"])
+    assert torch.equal(w[H:2 * H], before[H:2 * H]) and not torch.equal(w[H:2 * H], key_w)
+    assert torch.equal(w[2 * H:], sd["encoder.layer.2.attention.self.value.weight"])
+
+
+@pytest.mark.parametrize("policy", ["selective", "offload"])
+def test_new_policies_same_loss_and_gradients_as_none_with_dropout(policy):
+    def run(p):
+        torch.manual_seed(0)
+        m = BertForSequenceClassification(BertConfig(**TINY))
+        policies.wrap_layers(m, p)
+        ids, mask, types, labels = padded_batch()
+        torch.manual_seed(123)
+        loss = m.train().loss_sum(m(ids, mask, types), labels)
+        loss.backward()
+        return loss.detach(), our_grads(m)
+
+    ref_loss, ref = run("none")
+    loss, grads = run(policy)
+    assert torch.equal(loss, ref_loss)
+    assert_same_grads(grads, ref, tol=1e-6)
+
+
+def test_selective_keeps_fewer_bytes_than_none_and_more_than_all():
+    measured = {}
+    for policy in ("none", "selective", "all"):
+        torch.manual_seed(0)
+        m = BertForSequenceClassification(BertConfig(**TINY)).train()
+        policies.wrap_layers(m, policy)
+
+        def loss_of(b: int, m=m) -> torch.Tensor:
+            ids = torch.randint(1, 500, (b, 32))
+            return m.loss_sum(m(ids, None, torch.zeros_like(ids)), torch.zeros(b, dtype=torch.long))
+
+        measured[policy] = activation_bytes_per_sequence(m, loss_of, torch.device("cpu"))
+    assert measured["all"] < measured["selective"] < 0.8 * measured["none"]
+
+
+def test_offload_is_refused_without_cuda():
+    m = BertForSequenceClassification(BertConfig(**TINY))
+    with pytest.raises(ValueError, match="grad_ckpt: offload keeps saved activations in host memory"):
+        policies.apply_grad_ckpt(m, "offload")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_cuda_kernels_match_the_cpu_model(dtype):
+    """On a GPU: flash varlen (bf16) or the padded SDPA path (fp32), dropout off, against the CPU
+    kernel on the same weights; offload and selective run there and give the same gradients."""
+    ours, _ = ours_and_hf()
+    ids, mask, types, labels = padded_batch()
+    loss = ours.loss_sum(ours(ids, mask, types), labels)
+    loss.backward()
+    ref = our_grads(ours)
+    for policy in ("none", "offload", "selective"):
+        torch.manual_seed(0)
+        gpu = BertForSequenceClassification(BertConfig(**TINY, **NO_DROPOUT)).cuda()
+        gpu.load_state_dict(ours.state_dict())
+        policies.apply_grad_ckpt(gpu, policy)
+        with torch.autocast("cuda", dtype=dtype, enabled=dtype != torch.float32):
+            out = gpu.train()(ids.cuda(), mask.cuda(), types.cuda())
+        gpu.loss_sum(out, labels.cuda()).backward()
+        grads = {k: v.float().cpu() for k, v in our_grads(gpu).items()}
+        assert_same_grads(grads, ref, tol=2e-2 if dtype == torch.bfloat16 else 1e-4)
