@@ -547,8 +547,8 @@ def render_readme(results: Path) -> str:
         out += ["Not measured yet (`accuracy/*.json` is missing).", ""]
     out += ["## Throughput: the bert-base shape", ""]
     path = results / "throughput.json"
-    if path.is_file():
-        doc = C.read_json(path)
+    doc = C.read_json(path) if path.is_file() else None
+    if doc and doc["calls"]:
         out += [f"Measured {doc['calls'][0]['date']} to {doc['calls'][-1]['date']} on "
                 f"{C._machine_line(doc['calls'][0])}.", "", render_throughput(doc), ""]
     else:

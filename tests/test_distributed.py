@@ -151,7 +151,9 @@ def test_only_rank_0_writes_files(two_proc_4):
     assert r1 == []
     run_dir = two_proc_4.out / "run"
     assert r0 and all(Path(p).resolve().is_relative_to(run_dir.resolve()) for p in r0), r0
-    assert sorted(p.name for p in run_dir.iterdir()) == ["config.json", "metrics.jsonl", "summary.json"]
+    # the run's files and its final model (--save-model: model/ and the classifier's labels.json)
+    assert sorted(p.name for p in run_dir.iterdir()) == ["config.json", "labels.json", "metrics.jsonl", "model",
+                                                        "summary.json"]
     assert [m["step"] for m in read_metrics(run_dir)] == [1, 2, 3, 4, 5]  # one writer, no duplicate lines
     assert list((two_proc_4.out / "cwd").iterdir()) == []
 

@@ -85,8 +85,9 @@ def test_one_agreement_per_step_with_everything_the_ranks_need(monkeypatch, tmp_
     steps = [p for p in posted if p[0] is not None]
     assert len(posted) == 5 and len(steps) == 4  # the decision before step 1, then one per step
     assert [p[0].step for p in steps] == [1, 2, 3, 4]
-    # stop code, signal, save request + real tokens, padded tokens, FLOPs; on the device: loss, non-finite, norm
-    assert all(len(p[1]) == 6 and p[2] == 3 for p in steps)
+    # stop code, signal, save request, evaluation request + real tokens, padded tokens, FLOPs;
+    # on the device: loss, non-finite, norm
+    assert all(len(p[1]) == 7 and p[2] == 3 for p in steps)
     assert s["steps"] == 4 and s["nonfinite_grad_steps"] == 0
 
 

@@ -282,3 +282,26 @@ def test_cuda_kernels_match_the_cpu_model(dtype):
         gpu.loss_sum(out, labels.cuda()).backward()
         grads = {k: v.float().cpu() for k, v in our_grads(gpu).items()}
         assert_same_grads(grads, ref, tol=2e-2 if dtype == torch.bfloat16 else 1e-4)
+
+
+def test_tokens_from_host_lengths_are_the_tokens_of_the_mask():
+    """Batch.to builds the layout from collate's host lengths (no device read in the step): the
+    same index, lengths, sequence offsets and attention groups as reading the mask."""
+    import numpy as np
+
+    from hpcbert.data.features import Batch
+
+    ids, mask, types, labels = padded_batch()
+    lengths = mask.sum(1).numpy()
+    a = Tokens.of(mask, *ids.shape, torch.device("cpu"))
+    b = Batch(ids, types, mask, labels, int(lengths.sum()), lengths).to(torch.device("cpu")).tokens
+    assert (b.B, b.T, b.lengths, b.groups) == (a.B, a.T, a.lengths, a.groups)
+    assert torch.equal(b.index, a.index) and torch.equal(b.cu_seqlens, a.cu_seqlens) and torch.equal(b.mask, a.mask)
+    # the model gives the same outputs from either
+    torch.manual_seed(0)
+    m = BertForSequenceClassification(BertConfig(**TINY, **NO_DROPOUT)).eval()
+    assert torch.equal(m(ids, b, types), m(ids, mask, types))
+    full = Batch(ids, types, None, labels, ids.numel(), np.full(len(ids), ids.shape[1])).to(torch.device("cpu"))
+    assert full.tokens.index is None and full.tokens.mask is None and full.tokens.groups == [(0, len(ids), ids.shape[1])]
+    with pytest.raises(ValueError, match="built for"):
+        m(ids[:, :5], b, types[:, :5])

@@ -16,6 +16,7 @@ import math
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -98,16 +99,37 @@ class Tokens:
     groups: list[tuple[int, int, int]]  # runs of consecutive sequences of one length: (first row, sequences, length)
 
     @classmethod
-    def of(cls, attention_mask: torch.Tensor | None, B: int, T: int, device: torch.device) -> "Tokens":
+    def of(cls, attention_mask: "torch.Tensor | Tokens | None", B: int, T: int, device: torch.device) -> "Tokens":
+        """From a (B, T) padding mask (1 = real token; None = nothing padded), or a `Tokens` built
+        already (`Batch.to` builds it from the host-side lengths of its collate: no device read)."""
+        if isinstance(attention_mask, Tokens):
+            if (attention_mask.B, attention_mask.T) != (B, T):
+                raise ValueError(f"tokens: built for (B, T) = {(attention_mask.B, attention_mask.T)}, the batch is "
+                                 f"{(B, T)}")
+            return attention_mask
         if attention_mask is None:
-            lengths, mask, index = [T] * B, None, None
-        else:
-            if attention_mask.shape != (B, T):
-                raise ValueError(f"attention_mask: shape {tuple(attention_mask.shape)}, expected (B, T) = {(B, T)}")
-            mask = attention_mask.bool()
-            lengths = mask.sum(1).tolist()  # CPU-GPU sync point on CUDA (once per batch)
-            index = mask.reshape(-1).nonzero().squeeze(1) if sum(lengths) < B * T else None
-            mask = mask if index is not None else None
+            return cls.build([T] * B, B, T, None, None, device)
+        if attention_mask.shape != (B, T):
+            raise ValueError(f"attention_mask: shape {tuple(attention_mask.shape)}, expected (B, T) = {(B, T)}")
+        mask = attention_mask.bool()
+        lengths = mask.sum(1).tolist()  # a device read on CUDA: the training loop passes Batch.tokens instead
+        index = mask.reshape(-1).nonzero().squeeze(1) if sum(lengths) < B * T else None
+        return cls.build(lengths, B, T, mask if index is not None else None, index, device)
+
+    @classmethod
+    def from_lengths(cls, lengths, mask: torch.Tensor | None, device: torch.device) -> "Tokens":
+        """From host lengths of a batch whose real tokens come first in every row (`collate`'s
+        layout) and its (B, T) mask on `device`: the index is computed on the host and copied."""
+        lengths = np.asarray(lengths, dtype=np.int64)
+        B, T = (len(lengths), int(lengths.max())) if mask is None else tuple(mask.shape)
+        if int(lengths.sum()) == B * T:
+            return cls.build(lengths.tolist(), B, T, None, None, device)
+        flat = np.flatnonzero(np.arange(T)[None, :] < lengths[:, None])
+        index = torch.from_numpy(flat).to(device, non_blocking=device.type == "cuda")
+        return cls.build(lengths.tolist(), B, T, mask.bool(), index, device)
+
+    @classmethod
+    def build(cls, lengths: list[int], B: int, T: int, mask, index, device: torch.device) -> "Tokens":
         groups, row = [], 0
         for L in lengths:  # run-length encoding: equal lengths side by side attend as one batch
             if groups and groups[-1][2] == L:
@@ -115,7 +137,8 @@ class Tokens:
             else:
                 groups.append((row, 1, L))
             row += L
-        cu = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32, device=device)
+        cu = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32)
+        cu = cu.to(device, non_blocking=device.type == "cuda")
         return cls(B, T, mask, index, lengths, cu, groups)
 
     @property
@@ -390,7 +413,7 @@ class BertModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 token_type_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """input_ids (B, T), attention_mask (B, T) (1 = real token; None = nothing padded) ->
+        """input_ids (B, T), attention_mask (B, T) (1 = real token; None = nothing padded) or a Tokens ->
         (sequence output (B, T, H), zeros at the padding; pooled output (B, H), None without a pooler)."""
         if token_type_ids is None:
             token_type_ids = torch.zeros_like(input_ids)

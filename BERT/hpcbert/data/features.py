@@ -15,6 +15,7 @@ import hashlib
 import json
 import os
 from dataclasses import dataclass
+from typing import Any
 from pathlib import Path
 
 import numpy as np
@@ -141,16 +142,28 @@ class Batch:
     attention_mask: torch.Tensor | None  # (B, T) bool, None when nothing is padded
     labels: torch.Tensor | dict[str, torch.Tensor]  # (B,) for classification; an objective's targets by name
     real_tokens: int                     # non-pad tokens in the batch
+    lengths: np.ndarray | None = None    # (B,) host: real tokens per row, which come first in the row
+    tokens: Any = None                   # model.Tokens, built by to() from `lengths`
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
 
+    @property
+    def padding(self):
+        """What the model takes as its attention mask: the `Tokens` built on the host (no device read
+        in the step), else the (B, T) mask."""
+        return self.tokens if self.tokens is not None else self.attention_mask
+
     def to(self, device: torch.device) -> "Batch":
+        from ..model import Tokens
+
         nb = device.type == "cuda"
         move = lambda t: t.to(device, non_blocking=nb)  # noqa: E731
         labels = {k: move(v) for k, v in self.labels.items()} if isinstance(self.labels, dict) else move(self.labels)
-        return Batch(move(self.input_ids), move(self.token_type_ids),
-                     None if self.attention_mask is None else move(self.attention_mask), labels, self.real_tokens)
+        mask = None if self.attention_mask is None else move(self.attention_mask)
+        tokens = None if self.lengths is None else Tokens.from_lengths(self.lengths, mask, device)
+        return Batch(move(self.input_ids), move(self.token_type_ids), mask, labels, self.real_tokens, self.lengths,
+                     tokens)
 
 
 def collate(feats: Features, indices, pad_to: int | None = None, pad_id: int = 0) -> Batch:
@@ -167,7 +180,7 @@ def collate(feats: Features, indices, pad_to: int | None = None, pad_id: int = 0
         types[row, :n] = feats.type_ids[s:s + n]
     mask = None if (lengths == T).all() else torch.from_numpy(np.arange(T)[None, :] < lengths[:, None])
     return Batch(torch.from_numpy(ids), torch.from_numpy(types), mask,
-                 torch.from_numpy(feats.labels[idx]), int(lengths.sum()))
+                 torch.from_numpy(feats.labels[idx]), int(lengths.sum()), lengths)
 
 
 def epoch_order(lengths: np.ndarray, sampler: str, seed: int, epoch: int, global_batch: int) -> np.ndarray:

@@ -84,7 +84,7 @@ class SequenceClassification:
         return {"examples": float(len(indices))}
 
     def forward(self, model: nn.Module, batch: Batch) -> torch.Tensor:
-        return model(batch.input_ids, batch.attention_mask, batch.token_type_ids)  # (B, num_labels)
+        return model(batch.input_ids, batch.padding, batch.token_type_ids)  # (B, num_labels)
 
     def loss(self, model: nn.Module, outputs: torch.Tensor, batch: Batch, norm: dict[str, float]) -> torch.Tensor:
         return model.loss_sum(outputs, batch.labels) / norm["examples"]

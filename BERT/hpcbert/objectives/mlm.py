@@ -145,7 +145,7 @@ class MaskedLM:
         targets = {"mlm_positions": torch.from_numpy(positions), "mlm_labels": torch.from_numpy(labels)}
         if nsp is not None:
             targets["nsp"] = torch.from_numpy(nsp)
-        return Batch(torch.from_numpy(masked), torch.from_numpy(types), mask, targets, int(lengths.sum()))
+        return Batch(torch.from_numpy(masked), torch.from_numpy(types), mask, targets, int(lengths.sum()), lengths)
 
     def norm(self, data: Sequences, indices: np.ndarray, epoch: int | None) -> dict[str, float]:
         """{"masked": selected tokens of the global batch, "examples": its sequences}. Token masking
@@ -161,7 +161,7 @@ class MaskedLM:
     # --- model, loss, predictions ----------------------------------------------------------------
 
     def forward(self, model: nn.Module, batch: Batch):
-        return model(batch.input_ids, batch.attention_mask, batch.token_type_ids, batch.labels["mlm_positions"])
+        return model(batch.input_ids, batch.padding, batch.token_type_ids, batch.labels["mlm_positions"])
 
     def loss(self, model: nn.Module, outputs, batch: Batch, norm: dict[str, float]) -> torch.Tensor:
         logits, nsp_logits = outputs if self.cfg.nsp else (outputs, None)

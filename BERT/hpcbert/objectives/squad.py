@@ -190,7 +190,7 @@ class QuestionAnswering:
     # --- model, loss, predictions ----------------------------------------------------------------
 
     def forward(self, model: nn.Module, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-        return model(batch.input_ids, batch.attention_mask, batch.token_type_ids)  # 2 x (B, T)
+        return model(batch.input_ids, batch.padding, batch.token_type_ids)  # 2 x (B, T)
 
     @staticmethod
     def _masked(outputs: tuple[torch.Tensor, torch.Tensor], batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
