@@ -183,3 +183,25 @@ def test_synthetic_task_is_learnable(tmp_path):
                 "--out", tmp_path / "run")
     assert r.returncode == 0, r.stderr
     assert read_summary(tmp_path / "run")["eval"]["dev"]["accuracy"] >= 0.8  # chance is 0.5
+
+
+def test_bench_summary_takes_each_steps_fastest_round_and_leaves_out_a_stalled_run():
+    from hpcbert.bench import summarise
+
+    def run(name, times, act=100):
+        s = {"run": name, "warmup_steps_excluded": 1, "steady_sequences_per_sec": 0.0, "steps_in_budget": len(times),
+             "startup_s": 1.0, "peak_memory_bytes": 0, "activation_bytes_per_sequence": act, "mfu": None,
+             "precision": "fp32", "per_device_batch_size": 4}
+        return {"summary": s, "metrics": [{"step_time_s": t, "sequences_per_sec": 4 / t, "tokens_per_sec": 40 / t}
+                                          for t in times]}
+
+    out = summarise({"none": [run("none-r1", [9, 1.0, 3.0, 1.0]), run("none-r2", [9, 2.0, 1.0, 5.0])],
+                     "all": [run("all-r1", [9, 2.0, 2.0, 2.0], 10), run("all-r2", [9])]})  # all-r2 stalled
+    assert out["dropped_runs"] == ["all-r2"] and out["steps_compared"] == [2, 4]
+    # steps 2..4: none's fastest per step 1, 1, 1; all's 2, 2, 2 (hand computed)
+    assert out["policies"]["none"]["best_step_time_s"] == pytest.approx(1.0)
+    assert out["policies"]["all"]["time_vs_none"] == pytest.approx(2.0)
+    assert out["policies"]["all"]["bytes_vs_none"] == pytest.approx(0.1)
+    assert out["policies"]["none"]["best_seq_per_s"] == pytest.approx(4.0)
+    with pytest.raises(ValueError, match="no run of all logged more than"):
+        summarise({"none": [run("none-r1", [9, 1.0])], "all": [run("all-r1", [9])]})

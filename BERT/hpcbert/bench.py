@@ -71,13 +71,17 @@ def summarise(runs: dict[str, list[dict]]) -> dict:
     """Per policy, from its runs' summary.json and metrics.jsonl (`runs[policy]` = [{summary,
     metrics}, ...]): best-of-rounds step time and throughput over the steps every run reached,
     and each relative to `none`."""
-    all_runs = [r for rs in runs.values() for r in rs]
-    n_common = min(len(r["metrics"]) for r in all_runs)
-    first = max(r["summary"]["warmup_steps_excluded"] for r in all_runs)
-    if n_common <= first:
-        raise ValueError(f"bench: the shortest run logged {n_common} step(s), not more than the {first} untimed "
-                         f"first step(s); give a longer --time-budget")
-    out: dict = {"steps_compared": [first + 1, n_common], "policies": {}}
+    first = max(r["summary"]["warmup_steps_excluded"] for rs in runs.values() for r in rs)
+    # A run that logged no timed step (a stall on a shared machine ate its box) is left out, and
+    # named, where its policy has another round; a policy with none left cannot be compared.
+    dropped = [r["summary"]["run"] for rs in runs.values() for r in rs if len(r["metrics"]) <= first]
+    runs = {p: [r for r in rs if len(r["metrics"]) > first] for p, rs in runs.items()}
+    short = [p for p, rs in runs.items() if not rs]
+    if short:
+        raise ValueError(f"bench: no run of {', '.join(short)} logged more than the {first} untimed first step(s); "
+                         f"give a longer --time-budget")
+    n_common = min(len(r["metrics"]) for rs in runs.values() for r in rs)
+    out: dict = {"steps_compared": [first + 1, n_common], "dropped_runs": dropped, "policies": {}}
     for policy, rs in runs.items():
         times = [[m["step_time_s"] for m in r["metrics"]] for r in rs]
         best = best_of_repeats(times, first, n_common)
@@ -119,9 +123,11 @@ def render(result: dict) -> str:
                      f"{p['peak_memory_bytes'] / 2**30:.2f}",
                      ", ".join(str(x) for x in p["steps_in_budget_per_round"]),
                      ", ".join(f"{x:.1f}" for x in p["startup_s_per_round"])])
-    head = (f"Steps {a}..{b} of every run, fastest of {len(next(iter(result['policies'].values()))['runs'])} "
+    rounds = max(len(p["runs"]) for p in result["policies"].values())
+    head = (f"Steps {a}..{b} of every run, fastest of up to {rounds} "
             f"interleaved rounds per step (the same batches in every run: "
-            f"{'checked' if all(p['same_batches'] for p in result['policies'].values()) else 'NOT the same'}).")
+            f"{'checked' if all(p['same_batches'] for p in result['policies'].values()) else 'NOT the same'})"
+            + (f"; left out, no timed step: {', '.join(result['dropped_runs'])}." if result.get("dropped_runs") else "."))
     return head + "\n\n" + markdown_grid(
         ["grad_ckpt", "seq/s", "step ms", "time vs none", "act MiB/seq", "bytes vs none", "peak mem GiB",
          "steps in box (per round)", "startup s (per round)"], rows)
