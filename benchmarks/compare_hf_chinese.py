@@ -186,6 +186,12 @@ def hf_worker(argv: list[str]) -> int:
             super().__init__(*args, **kw)
             self.fetch_start, self.shapes, self.real_tokens = [], [], []
 
+        def _get_eval_sampler(self, eval_dataset):
+            # transformers 5 length-groups evaluation too under train_sampling_strategy="group_by_length",
+            # and Trainer.predict then returns predictions in that order, while the example scores them
+            # against the dataset's order: evaluate in dataset order.
+            return torch.utils.data.SequentialSampler(eval_dataset)
+
         def get_batch_samples(self, epoch_iterator, num_batches, device):
             t = time.perf_counter()
             batches, n = super().get_batch_samples(epoch_iterator, num_batches, device)
@@ -244,6 +250,8 @@ def hf_worker(argv: list[str]) -> int:
         pred = trainer.predict(dev_ds)
         preds = np.argmax(pred.predictions, axis=-1)
         labels = np.asarray([x["label"] for x in dev_ds])
+        if pred.label_ids is not None and not np.array_equal(np.asarray(pred.label_ids), labels):
+            raise SystemExit("compare_hf_chinese: Trainer.predict returned the dev examples in another order")
         result["eval"] = {"dev": {"accuracy": accuracy(preds, labels), "f1_macro": f1_macro(preds, labels),
                                   "loss": float(pred.metrics["test_loss"])}}
     C.write_json(Path(a.out), result)
