@@ -470,6 +470,11 @@ def hf_worker(argv: list[str]) -> int:
             super().__init__(*args, **kw)
             self.fetch_start, self.shapes, self.real_tokens = [], [], []
 
+        def _get_eval_sampler(self, eval_dataset):
+            # transformers 5 length-groups evaluation too under train_sampling_strategy="group_by_length",
+            # and Trainer.predict then returns predictions in that order: evaluate in dataset order.
+            return torch.utils.data.SequentialSampler(eval_dataset)
+
         def _get_train_sampler(self, train_dataset=None):
             if a.order != "hpcbert-random":
                 return super()._get_train_sampler(train_dataset)

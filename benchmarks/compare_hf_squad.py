@@ -312,6 +312,12 @@ def hf_worker(argv: list[str]) -> int:
             super().__init__(*args, **kw)
             self.fetch_start, self.shapes, self.real_tokens = [], [], []
 
+        def _get_eval_sampler(self, eval_dataset):
+            # transformers 5 length-groups evaluation too under train_sampling_strategy="group_by_length",
+            # and Trainer.predict then returns the windows' logits in that order, while run_qa.py's
+            # post-processing maps them to features by position: evaluate in dataset order.
+            return torch.utils.data.SequentialSampler(eval_dataset)
+
         def get_batch_samples(self, epoch_iterator, num_batches, device):
             t = time.perf_counter()
             batches, n = super().get_batch_samples(epoch_iterator, num_batches, device)
