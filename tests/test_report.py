@@ -465,6 +465,10 @@ def _benchmark_script(name: str):
 @pytest.mark.parametrize("script, folder, command", [
     ("compare_hf", "compare_hf", "python benchmarks/compare_hf.py render"),
     ("bench_ddp", "ddp", "python benchmarks/bench_ddp.py --render"),
+    ("compare_hf_squad", "squad", "python benchmarks/compare_hf_squad.py render"),
+    ("compare_hf_chinese", "chinese", "python benchmarks/compare_hf_chinese.py render"),
+    ("pareto", "pareto", "python benchmarks/pareto.py --render"),
+    ("bench_pretrain", "pretrain", "python benchmarks/bench_pretrain.py render"),
 ])
 def test_benchmark_readme_is_fresh(script, folder, command):
     """The benchmark scripts' READMEs are what their generators write from the committed JSON."""
