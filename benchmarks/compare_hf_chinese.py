@@ -478,8 +478,8 @@ def render_accuracy(runs: list[dict]) -> str:
         f1 = [100 * r["f1_macro"] for r in rs]
         (acc_m, acc_s), (f1_m, f1_s) = mean_std(acc), mean_std(f1)
         means[side] = acc_m
-        rows.append([label, ", ".join(str(r["seed"]) for r in rs), _fmt(acc), f"**{acc_m:.2f} ± {acc_s:.2f}**",
-                     f"{f1_m:.2f} ± {f1_s:.2f}", f"{statistics.mean(r['steps'] for r in rs):.0f}",
+        rows.append([label, ", ".join(str(r["seed"]) for r in rs), _fmt(acc), f"**{_pm(acc_m, acc_s)}**",
+                     f"{_pm(f1_m, f1_s)}", f"{statistics.mean(r['steps'] for r in rs):.0f}",
                      f"{statistics.mean(r['wall_s'] for r in rs) / 60:.1f}"])
     lines = [markdown_grid(["side", "seeds", "dev accuracy % per seed", "accuracy mean ± std", "macro F1 mean ± std",
                             "optimizer steps", "wall min (mean)"], rows).rstrip("\n")]
@@ -526,6 +526,11 @@ def render_throughput(doc: dict) -> str:
         [[r["pair"], str(r["repeat"]), r["label"], f"{r['steady_sequences_per_sec']:.3f}",
           f"{r['padded_tokens_per_seq']:.1f}", f"{r['noise']['other_cores_during']:.2f}"] for r in doc["runs"]]).rstrip("\n")]
     return "\n".join(lines)
+
+
+def _pm(mean: float, std: float) -> str:
+    """mean ± sample std; one seed has no std: the mean alone."""
+    return f"{mean:.2f}" if math.isnan(std) else f"{mean:.2f} ± {std:.2f}"
 
 
 def render_readme(results: Path) -> str:

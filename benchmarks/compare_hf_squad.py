@@ -636,7 +636,7 @@ def render_accuracy(runs: list[dict]) -> str:
         f1_m, f1_s = mean_std([r["f1"] for r in rs])
         stats[side] = f1_m
         rows.append([label, ", ".join(str(r["seed"]) for r in rs), _fmt([r["exact_match"] for r in rs]),
-                     _fmt([r["f1"] for r in rs]), f"{em_m:.2f} ± {em_s:.2f}", f"**{f1_m:.2f} ± {f1_s:.2f}**",
+                     _fmt([r["f1"] for r in rs]), f"{_pm(em_m, em_s)}", f"**{_pm(f1_m, f1_s)}**",
                      f"{statistics.mean(r['steps'] for r in rs):.0f}",
                      f"{statistics.mean(r['wall_s'] for r in rs) / 60:.1f}"])
     lines = [markdown_grid(["side", "seeds", "exact match per seed", "F1 per seed", "EM mean ± std",
@@ -689,6 +689,11 @@ def render_throughput(doc: dict) -> str:
           f"{r['padded_tokens_per_seq']:.1f}", f"{r['noise']['other_cores_during']:.2f}"]
          for r in doc["runs"]]).rstrip("\n")]
     return "\n".join(lines)
+
+
+def _pm(mean: float, std: float) -> str:
+    """mean ± sample std; one seed has no std: the mean alone."""
+    return f"{mean:.2f}" if math.isnan(std) else f"{mean:.2f} ± {std:.2f}"
 
 
 def render_readme(results: Path) -> str:
