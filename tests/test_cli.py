@@ -162,6 +162,8 @@ def test_bench_runs_interleaved_rounds_per_policy_and_prints_the_table(tmp_path)
     assert {"none", "all", "grad_ckpt"} <= set(rows) and "time vs none" in rows["grad_ckpt"]
     assert (out / "report.html").stat().st_size > 10_000
     bench = json.loads((out / "bench.json").read_text())
+    from hpcbert.bench import render
+    assert (out / "bench.md").read_text() == render(bench) + "\n" and render(bench) in r.stdout
     # Best of rounds, recomputed here from the runs' own metrics.jsonl: step i's fastest time over the rounds.
     a, b = bench["steps_compared"]
     for policy in ("none", "all"):

@@ -163,8 +163,9 @@ def run(ns: argparse.Namespace) -> int:
     result = summarise(runs)
     result["command"] = "hpcbert bench " + " ".join(sys.argv[2:])
     (bench_dir / "bench.json").write_text(json.dumps(result, indent=1))
+    (bench_dir / "bench.md").write_text(render(result) + "\n")  # the table printed below, kept with the runs
     html = bench_dir / "report.html"
     bench_report(run_dirs, html)  # every run's figures, for the HTML report
     print(render(result))
-    print(f"\nrun directories: {bench_dir}/; bench.json and report.html there")
+    print(f"\nrun directories: {bench_dir}/; bench.json, bench.md (this table) and report.html there")
     return 0
