@@ -370,6 +370,68 @@ def hf_run(name: str, work: Path, threads: int, glue: Path, out_json: Path, *, p
     return r
 
 
+def timed_trainer_classes():
+    """The Trainer-side instruments of every comparison script (compare_hf, compare_hf_squad,
+    compare_hf_chinese); transformers is imported here, in the worker, not when the script loads.
+
+    StepTimer     callback: on_step_begin / on_step_end times, and the torch threads in use
+    TimedTrainer  records when each step's batch fetch starts (get_batch_samples, before
+                  on_step_begin), the batches' shapes and real tokens; evaluates in dataset order
+    Deadline      callback for accuracy runs in segments: before a step that would end past the
+                  deadline, save a checkpoint and stop (trainer.train(resume_from_checkpoint) goes on)
+    """
+    import torch
+    from transformers import Trainer, TrainerCallback
+
+    class StepTimer(TrainerCallback):
+        def __init__(self):
+            self.begin, self.end, self.threads = [], [], None
+
+        def on_train_begin(self, args, state, control, **kw):
+            self.threads = torch.get_num_threads()
+
+        def on_step_begin(self, args, state, control, **kw):
+            self.begin.append(time.perf_counter())
+
+        def on_step_end(self, args, state, control, **kw):
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()  # hpcbert's step ends on a sync point (float(loss))
+            self.end.append(time.perf_counter())
+
+    class TimedTrainer(Trainer):
+        def __init__(self, *args, **kw):
+            super().__init__(*args, **kw)
+            self.fetch_start, self.shapes, self.real_tokens = [], [], []
+
+        def _get_eval_sampler(self, eval_dataset):
+            # transformers 5 length-groups evaluation too under train_sampling_strategy="group_by_length",
+            # and Trainer.predict then returns predictions in that order, while the examples (run_glue,
+            # run_qa's post-processing, run_classification) map them back by position: dataset order.
+            return torch.utils.data.SequentialSampler(eval_dataset)
+
+        def get_batch_samples(self, epoch_iterator, num_batches, device):
+            t = time.perf_counter()
+            batches, n = super().get_batch_samples(epoch_iterator, num_batches, device)
+            if batches:
+                self.fetch_start.append(t)
+                self.shapes.append([tuple(b["input_ids"].shape) for b in batches])
+                self.real_tokens.append(sum(int(b["attention_mask"].sum()) for b in batches))
+            return batches, n
+
+    class Deadline(TrainerCallback):
+        def __init__(self, timer: StepTimer, deadline: float | None):
+            self.timer, self.deadline = timer, deadline
+
+        def on_step_end(self, args, state, control, **kw):
+            t = self.timer
+            per_step = (t.end[-1] - t.begin[0]) / len(t.end) if t.end else 0.0
+            if self.deadline and time.time() + 1.5 * per_step > self.deadline and state.global_step < state.max_steps:
+                control.should_save = True
+                control.should_training_stop = True
+
+    return StepTimer, TimedTrainer, Deadline
+
+
 def hf_worker(argv: list[str]) -> int:
     """Fine-tune with transformers.Trainer as run_glue.py does and write one JSON of measurements."""
     p = argparse.ArgumentParser(prog="compare_hf.py _hf-worker")
@@ -397,8 +459,8 @@ def hf_worker(argv: list[str]) -> int:
     import torch
     import datasets
     import transformers
-    from transformers import (AutoModelForSequenceClassification, AutoTokenizer, DataCollatorWithPadding, Trainer,
-                              TrainerCallback, TrainingArguments, default_data_collator)
+    from transformers import (AutoModelForSequenceClassification, AutoTokenizer, DataCollatorWithPadding,
+                              TrainingArguments, default_data_collator)
 
     from hpcbert.data.glue import read_split
     from hpcbert.data.metrics import accuracy, f1_binary
@@ -449,32 +511,9 @@ def hf_worker(argv: list[str]) -> int:
     args = TrainingArguments(**kwargs)
     torch.set_num_threads(a.threads)  # after anything that might have touched it
 
-    class StepTimer(TrainerCallback):
-        def __init__(self):
-            self.begin, self.end, self.threads = [], [], None
+    StepTimer, TimedTrainerBase, _ = timed_trainer_classes()
 
-        def on_train_begin(self, args, state, control, **kw):
-            self.threads = torch.get_num_threads()
-
-        def on_step_begin(self, args, state, control, **kw):
-            self.begin.append(time.perf_counter())
-
-        def on_step_end(self, args, state, control, **kw):
-            if torch.cuda.is_available():
-                torch.cuda.synchronize()  # hpcbert's step ends on a sync point (float(loss))
-            self.end.append(time.perf_counter())
-
-    class TimedTrainer(Trainer):
-        """Records when each step's batch fetch starts, and the batches' shapes (training only)."""
-        def __init__(self, *args, **kw):
-            super().__init__(*args, **kw)
-            self.fetch_start, self.shapes, self.real_tokens = [], [], []
-
-        def _get_eval_sampler(self, eval_dataset):
-            # transformers 5 length-groups evaluation too under train_sampling_strategy="group_by_length",
-            # and Trainer.predict then returns predictions in that order: evaluate in dataset order.
-            return torch.utils.data.SequentialSampler(eval_dataset)
-
+    class TimedTrainer(TimedTrainerBase):
         def _get_train_sampler(self, train_dataset=None):
             if a.order != "hpcbert-random":
                 return super()._get_train_sampler(train_dataset)
@@ -483,15 +522,6 @@ def hf_worker(argv: list[str]) -> int:
             from hpcbert.data.features import epoch_order
             order = epoch_order(np.zeros(len(self.train_dataset)), "random", a.seed, 0, BATCH).tolist()
             return order  # a list is a valid sampler (an iterable of indices with a length)
-
-        def get_batch_samples(self, epoch_iterator, num_batches, device):
-            t = time.perf_counter()
-            batches, n = super().get_batch_samples(epoch_iterator, num_batches, device)
-            if batches:
-                self.fetch_start.append(t)
-                self.shapes.append([tuple(b["input_ids"].shape) for b in batches])
-                self.real_tokens.append(sum(int(b["attention_mask"].sum()) for b in batches))
-            return batches, n
 
     timer = StepTimer()
     trainer = TimedTrainer(model=model, args=args, train_dataset=train_ds, data_collator=collator,

@@ -126,7 +126,7 @@ def hf_worker(argv: list[str]) -> int:
     import torch
     import transformers
     from transformers import (AutoModelForSequenceClassification, AutoTokenizer, BertConfig, DataCollatorWithPadding,
-                              Trainer, TrainerCallback, TrainingArguments, default_data_collator)
+                              TrainingArguments, default_data_collator)
 
     from hpcbert.data.metrics import accuracy, f1_macro
     from hpcbert.data.own import read_classification
@@ -165,54 +165,11 @@ def hf_worker(argv: list[str]) -> int:
     )
     torch.set_num_threads(THREADS)
 
-    class StepTimer(TrainerCallback):
-        def __init__(self):
-            self.begin, self.end, self.threads = [], [], None
-
-        def on_train_begin(self, args, state, control, **kw):
-            self.threads = torch.get_num_threads()
-
-        def on_step_begin(self, args, state, control, **kw):
-            self.begin.append(time.perf_counter())
-
-        def on_step_end(self, args, state, control, **kw):
-            if torch.cuda.is_available():
-                torch.cuda.synchronize()
-            self.end.append(time.perf_counter())
-
-    class TimedTrainer(Trainer):
-        """Records when each step's batch fetch starts, and the batches' shapes (as compare_hf.py)."""
-        def __init__(self, *args, **kw):
-            super().__init__(*args, **kw)
-            self.fetch_start, self.shapes, self.real_tokens = [], [], []
-
-        def _get_eval_sampler(self, eval_dataset):
-            # transformers 5 length-groups evaluation too under train_sampling_strategy="group_by_length",
-            # and Trainer.predict then returns predictions in that order, while the example scores them
-            # against the dataset's order: evaluate in dataset order.
-            return torch.utils.data.SequentialSampler(eval_dataset)
-
-        def get_batch_samples(self, epoch_iterator, num_batches, device):
-            t = time.perf_counter()
-            batches, n = super().get_batch_samples(epoch_iterator, num_batches, device)
-            if batches:
-                self.fetch_start.append(t)
-                self.shapes.append([tuple(b["input_ids"].shape) for b in batches])
-                self.real_tokens.append(sum(int(b["attention_mask"].sum()) for b in batches))
-            return batches, n
-
-    class Deadline(TrainerCallback):
-        """Accuracy runs in segments: before a step that would end past --deadline, save a checkpoint
-        (optimizer, scheduler, RNG, position) and stop; trainer.train(resume_from_checkpoint) goes on."""
-        def on_step_end(self, args, state, control, **kw):
-            per_step = (timer.end[-1] - timer.begin[0]) / len(timer.end) if timer.end else 0.0
-            if a.deadline and time.time() + 1.5 * per_step > a.deadline and state.global_step < state.max_steps:
-                control.should_save = True
-                control.should_training_stop = True
+    StepTimer, TimedTrainer, Deadline = C.timed_trainer_classes()
 
     timer = StepTimer()
     trainer = TimedTrainer(model=model, args=args, train_dataset=train_ds, data_collator=collator,
-                           processing_class=tok, callbacks=[timer, Deadline()])
+                           processing_class=tok, callbacks=[timer, Deadline(timer, a.deadline)])
     ckpts = sorted(Path(a.scratch).glob("checkpoint-*"), key=lambda q: int(q.name.split("-")[1]))
     t_train = time.perf_counter()
     train_out = trainer.train(resume_from_checkpoint=str(ckpts[-1]) if ckpts else None)
