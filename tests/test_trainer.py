@@ -143,6 +143,25 @@ def test_a_time_boxed_run_decays_to_zero_inside_its_box(tmp_path):
     assert lrs[-1] < 0.35 * peak, lrs
     # The horizon the run used is where it would have reached zero: never far past the box.
     assert s["lr_horizon_steps"] <= 2 * s["steps"] + 5
+    # Refitted as the run went (the first fit has two steps to go on), and every refit kept the LR
+    # continuous: after the peak it only ever decreases.
+    assert int(s["lr_horizon_source"].rsplit("(fit ", 1)[1].rstrip(")")) > 1, s["lr_horizon_source"]
+    after = lrs[lrs.index(peak):]
+    assert all(b <= a * (1 + 1e-9) for a, b in zip(after, after[1:])), after
+
+
+def test_lr_schedule_refit_during_the_decay_is_continuous():
+    from hpcbert.train import LRSchedule
+
+    s = LRSchedule(warmup=10, horizon=110)
+    assert s(4) == pytest.approx(0.5) and s(10) == pytest.approx(1.0) and s(60) == pytest.approx(0.5)
+    # At step 60 (multiplier 0.5) the horizon moves to 160: from there 0.5 x (160 - step) / 100.
+    s.refit(10, 160, anchor=(60, s(60)))
+    assert s(60) == pytest.approx(0.5) and s(110) == pytest.approx(0.25) and s(160) == 0.0
+    assert s(5) == pytest.approx(0.6)  # the warm-up is unchanged
+    p = LRSchedule(warmup=0, horizon=100, power=0.5)
+    p.refit(0, 200, anchor=(75, p(75)))  # p(75) = 0.5
+    assert p(75) == pytest.approx(0.5) and p(200 - 125 / 4) == pytest.approx(0.25)  # 0.5 x (1/4) ** 0.5
 
 
 def test_time_budget_horizon_needs_a_budget():

@@ -35,9 +35,14 @@ from .optim import make_optimizer
 from .runfiles import SCHEMA_VERSION, MetricsWriter, write_json_atomic, write_text_atomic
 from .stopping import REASONS, StopConditions
 
-# With --lr-horizon time-budget, the decay horizon is fitted once this many steps have run, from the
-# median time of the steps after the first (which pays for lazy initialisation).
+# With --lr-horizon time-budget, the decay horizon is first fitted once this many steps have run, from
+# the median time of the steps after the first (which pays for lazy initialisation); then fitted again
+# after every further 25% of steps (at least REFIT_MIN_STEPS), from the wall time per step since the
+# previous fit (evaluations and checkpoints included), so a first guess from two steps cannot end the
+# decay early (or late) when the steps speed up (or slow down). Step-based, so every rank refits at
+# the same step; the time comes from rank 0's clock.
 FIT_HORIZON_AFTER = 3
+REFIT_GROWTH, REFIT_MIN_STEPS = 1.25, 10
 
 
 def log(d: dist.Dist, msg: str) -> None:
@@ -67,6 +72,9 @@ class LoopState:
     lr_horizon: int | None = None  # step at which the LR reaches 0 (fitted to the time box, or planned)
     lr_warmup: int | None = None   # LR warm-up steps belonging to that horizon
     lr_horizon_source: str | None = None
+    lr_anchor: list | None = None  # [step, LR multiplier] where a refit started the decay anew
+    lr_fitted_at: list | None = None  # [step, rank 0's wall clock] of the latest fit
+    lr_fits: int = 0               # fits of the horizon so far
     tokens: int = 0                # real (non-pad) training tokens done
     target: dict | None = None     # --target-mlm-accuracy reached: {step, tokens, time_s, value}
 
@@ -92,17 +100,23 @@ class LRSchedule:
     """LR multiplier: linear warm-up 0 -> 1 over `warmup` steps, then decay 1 -> 0 at `horizon`:
     (1 - progress) ** power over the steps after the warm-up (power 1: linear; --lr-decay poly
     --poly-power p: HF's polynomial decay with lr_end 0, NVIDIA's BERT LAMB schedule with p = 0.5).
-    `refit` moves the horizon (and the warm-up with it) once, for a schedule fitted to the time box."""
+    `refit` moves the horizon (and the warm-up with it), for a schedule fitted to the time box.
+    A refit during the decay (`anchor` = (step, multiplier there)) keeps the LR continuous: from
+    the anchor on, multiplier x (1 - progress from the anchor to the new horizon) ** power."""
 
     def __init__(self, warmup: int, horizon: int, power: float = 1.0):
         self.warmup, self.horizon, self.power = warmup, horizon, power
+        self.anchor: tuple[int, float] | None = None
 
-    def refit(self, warmup: int, horizon: int) -> None:
-        self.warmup, self.horizon = warmup, horizon
+    def refit(self, warmup: int, horizon: int, anchor: tuple[int, float] | None = None) -> None:
+        self.warmup, self.horizon, self.anchor = warmup, horizon, tuple(anchor) if anchor else None
 
     def __call__(self, step: int) -> float:
         if step < self.warmup:
             return (step + 1) / self.warmup
+        if self.anchor is not None and step >= self.anchor[0]:
+            a, m = self.anchor
+            return m * max(0.0, (self.horizon - step) / max(1, self.horizon - a)) ** self.power
         return max(0.0, (self.horizon - step) / max(1, self.horizon - self.warmup)) ** self.power
 
 
@@ -515,28 +529,45 @@ class Trainer:
                                    "tokens_per_sec": sum(self.meter.tokens[-n:]) / wt,
                                    "elapsed_s": end - PROCESS_START})
             st.window_loss = []
-        if cfg.lr_horizon == "time-budget" and st.lr_horizon is None and rec.step >= FIT_HORIZON_AFTER:
-            self._fit_horizon()
+        if cfg.lr_horizon == "time-budget" and rec.step >= FIT_HORIZON_AFTER and (
+                st.lr_fitted_at is None
+                or rec.step >= st.lr_fitted_at[0] + max(REFIT_MIN_STEPS, round((REFIT_GROWTH - 1) * st.lr_fitted_at[0]))):
+            self._fit_horizon(rec.step)
 
-    def _fit_horizon(self) -> None:
+    def _fit_horizon(self, step: int) -> None:
         """--lr-horizon time-budget: the decay reaches zero at the last step predicted to fit in the
-        box, from the median measured step time (rank 0's clock; broadcast)."""
+        box (rank 0's clock; broadcast). First from the median step time, then from the wall time
+        per step since the previous fit. `step` = the step just recorded (the LR of the next one
+        is the first to change)."""
         st, cfg = self.state, self.cfg
+        prev = st.lr_fitted_at
 
-        def estimate() -> tuple[int, str]:
-            t = float(np.median(self.meter.times[1:]))
-            left = self.stops.budget_deadline - time.time()
-            steps = st.step + max(0, int(left / t))
-            horizon = max(st.step + 1, min(self.plan.total_steps, steps))
-            return horizon, (f"time budget: {left:.0f} s left after step {st.step} at a median {t:.3f} s/step "
-                             f"(steps 2..{len(self.meter)})")
+        def estimate() -> tuple[int, str, float]:
+            now = time.time()
+            if prev is None:
+                t, how = float(np.median(self.meter.times[1:])), f"median {{:.3f}} s/step (steps 2..{len(self.meter)})"
+            else:
+                t, how = (now - prev[1]) / (step - prev[0]), f"{{:.3f}} s/step over steps {prev[0] + 1}..{step}"
+            left = self.stops.budget_deadline - now
+            horizon = max(step + 1, min(self.plan.total_steps, step + max(0, int(left / t))))
+            return horizon, f"time budget: {left:.0f} s left after step {step} at {how.format(t)}", now
 
-        horizon, source = dist.decide(self.d, estimate)
-        warmup = min(self.plan.warmup_steps, max(round(cfg.warmup_ratio * horizon), 0))
-        st.lr_horizon, st.lr_warmup, st.lr_horizon_source = horizon, warmup, source
-        self.schedule.refit(warmup, horizon)
-        log(self.d, f"LR schedule fitted to the time box: decay to 0 at step {horizon}, {warmup} LR warm-up "
-                    f"steps ({source})")
+        horizon, source, now = dist.decide(self.d, estimate)
+        if prev is None:
+            st.lr_warmup = min(self.plan.warmup_steps, max(round(cfg.warmup_ratio * horizon), 0))
+        # The multiplier in effect now (the scheduler has stepped once per optimizer step, possibly a
+        # step or two past `step`) starts the decay to the new horizon: the LR stays continuous.
+        at = self.scheduler.last_epoch
+        anchor = [at, self.schedule(at)] if prev is not None and at >= st.lr_warmup else None
+        moved = horizon != st.lr_horizon
+        st.lr_horizon, st.lr_fitted_at, st.lr_fits = horizon, [step, now], st.lr_fits + 1
+        if moved:
+            st.lr_anchor = anchor if anchor is not None else st.lr_anchor
+            st.lr_horizon_source = source + f" (fit {st.lr_fits})"
+            self.schedule.refit(st.lr_warmup, horizon, st.lr_anchor)
+            if prev is None:
+                log(self.d, f"LR schedule fitted to the time box: decay to 0 at step {horizon}, {st.lr_warmup} LR "
+                            f"warm-up steps ({source})")
 
     # --- checkpoints ------------------------------------------------------------------------------
 
@@ -590,7 +621,9 @@ class Trainer:
             setattr(st, k, v)
         st.resumed_from_step = ck.step
         if st.lr_horizon is not None:
-            self.schedule.refit(st.lr_warmup, st.lr_horizon)
+            self.schedule.refit(st.lr_warmup, st.lr_horizon, st.lr_anchor)
+            # The next refit measures this segment's steps, not the time between the segments.
+            st.lr_fitted_at = [st.step, time.time()]
         self.last_saved_step = ck.step
         torch.set_rng_state(mine["rng_cpu"].cpu())
         if mine.get("rng_cuda") is not None:
