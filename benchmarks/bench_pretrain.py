@@ -434,6 +434,19 @@ def _mean_sd(xs: list[float]) -> str:
     return f"{statistics.fmean(xs):.3f}" + (f" ± {statistics.stdev(xs):.3f}" if len(xs) > 1 else "")
 
 
+def _seed_noise_line(model: str, hs: list[float], ts: list[float]) -> str:
+    """The held-out loss means of the two sides against their seed spread: within seed noise when the
+    difference is under two standard errors of a difference of means (Welch)."""
+    if len(hs) < 2 or len(ts) < 2:
+        return f"{model}: one seed per side; no seed spread to compare the difference with."
+    diff = statistics.fmean(hs) - statistics.fmean(ts)
+    se = (statistics.variance(hs) / len(hs) + statistics.variance(ts) / len(ts)) ** 0.5
+    within = abs(diff) <= 2 * se
+    return (f"{model}: held-out loss difference of the means (hpcbert - Trainer) **{diff:+.3f}**, two standard "
+            f"errors of that difference {2 * se:.3f} ({len(hs)} and {len(ts)} seeds): "
+            f"**{'within' if within else 'outside'} seed noise**.")
+
+
 def plot_convergence(runs: list[tuple[str, list[dict], dict]], path: Path) -> None:
     from matplotlib.figure import Figure
 
@@ -548,7 +561,7 @@ def render_readme(results: Path) -> str:
                   "| model | steps | seed | hpcbert held-out loss | Trainer held-out loss | hpcbert accuracy | "
                   "Trainer accuracy | hpcbert train loss | Trainer train loss |",
                   "|---|---|---|---|---|---|---|---|---|"]
-        cmds = []
+        cmds, verdicts = [], []
         for model, runs in d.items():
             for r in runs:
                 h, t = r["hpcbert"], r["trainer"]
@@ -562,12 +575,14 @@ def render_readme(results: Path) -> str:
             parts.append(f"| {model} | | mean ± sd | {_mean_sd(hs)} | {_mean_sd(ts)} | "
                          f"{_mean_sd([r['hpcbert']['eval']['mlm_accuracy'] for r in runs])} | "
                          f"{_mean_sd([r['trainer']['eval']['mlm_accuracy'] for r in runs])} | | |")
-        parts += ["", "Commands:", "", "```", *dict.fromkeys(cmds), "```", ""]
+            verdicts.append(_seed_noise_line(model, hs, ts))
+        parts += ["", *verdicts, "", "Commands:", "", "```", *dict.fromkeys(cmds), "```", ""]
     runs = _convergence_runs(RESULTS)
     if runs:
         parts += ["## Convergence in a 20-minute box", "",
                   "A small model from scratch on the wiki extract, seq 128, batch 32, fp32, 2 threads, AdamW, "
-                  "LR decaying to zero at the last step predicted to fit the box (`--lr-horizon time-budget`), "
+                  "LR decaying to zero at the last step predicted to fit the box (`--lr-horizon time-budget`, "
+                  "refitted as the run goes: `lr_horizon_steps` against `steps` in each summary), "
                   "evaluated on the held-out documents (fixed mask) every few minutes of wall time (evaluation "
                   "time counts against the box). The run directories (config, metrics, summary; no weights) are "
                   "in `convergence/`.", "", "![masked-LM accuracy against tokens seen](convergence.png)", "",
@@ -583,6 +598,12 @@ def render_readme(results: Path) -> str:
                          f"{s['activation_bytes_per_sequence'] / 2**20:.1f} MiB | {s['stopped_by']} |")
             c = json.loads((p / "command.json").read_text())
             cmds.append(_portable(f"/work/tools/quiet {c['command']}    # {shlex.join(c['argv'])}"))
+        finals = [s["eval"].get("eval", {}).get("mlm_accuracy", 1.0) for _, _, s, _ in runs]
+        if max(finals) < 0.06:
+            parts += ["", f"Every run ended at a held-out accuracy under 6% ({', '.join(f'{x:.4f}' for x in finals)}): "
+                      "the unigram plateau masked-LM training from scratch starts on (predicting the most frequent "
+                      "tokens, loss near the unigram entropy). This box on this CPU does not carry the model past "
+                      "it; the runs still compare the policies' tokens seen in the same time at the same accuracy."]
         parts += ["", "Commands:", "", "```", *cmds, "```", ""]
     gpu = RESULTS / "gpu.json"
     parts += ["## On a GPU: bert-base and bert-large phase 1", ""]

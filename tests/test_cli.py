@@ -148,8 +148,8 @@ def test_user_errors_exit_2_naming_the_field(tmp_path):
 def test_bench_runs_interleaved_rounds_per_policy_and_prints_the_table(tmp_path):
     out = tmp_path / "bench"
     r = hpcbert("bench", "--model", "bert-tiny", "--policies", "none,all", "--rounds", 2, "--time-budget", "7s",
-                "--synthetic-train-size", 256, "--synthetic-dev-size", 32, "--batch-size", 8, "--threads", 1,
-                "--out", out, timeout=300)
+                "--interleaved", "5s", "--synthetic-train-size", 256, "--synthetic-dev-size", 32, "--batch-size", 8,
+                "--threads", 1, "--out", out, timeout=300)
     assert r.returncode == 0, r.stderr
     runs = {(p, k): out / f"{p}-r{k}" for p in ("none", "all") for k in (1, 2)}
     for (policy, _), d in runs.items():
@@ -177,6 +177,37 @@ def test_bench_runs_interleaved_rounds_per_policy_and_prints_the_table(tmp_path)
             < read_summary(runs[("none", 1)])["activation_bytes_per_sequence"])
     # One CPU peak, measured by the bench before its runs, divides every run's FLOP/s (MFU).
     assert len({read_summary(d)["peak_flops"] for d in runs.values()}) == 1
+    # Interleaved: every batch ran under both policies twice, in the order P1 P2 P2 P1 with the first
+    # policy alternating; the table's ratio is each batch's faster time, summed, over none's sum.
+    inter = json.loads((out / "interleaved" / "interleaved.json").read_text())
+    blocks = inter["blocks_measured"]
+    assert len(blocks) == inter["blocks"] == bench["interleaved"]["blocks"] >= 1
+    assert [b["order"] for b in blocks[:2]] == [["none", "all"], ["all", "none"]][:len(blocks)]
+    assert all(len(b["times"]["none"]) == len(b["times"]["all"]) == 2 for b in blocks)
+    fastest = {p: sum(min(b["times"][p]) for b in blocks) for p in ("none", "all")}
+    assert bench["interleaved"]["policies"]["all"]["time_vs_none"] == pytest.approx(fastest["all"] / fastest["none"])
+    assert bench["interleaved"]["policies"]["all"]["bytes_vs_none"] < 1.0
+    assert "Interleaved: " in r.stdout and f"{fastest['all'] / fastest['none']:.2f}x" in rows["all"]
+    assert json.loads((out / "interleaved" / "config.json").read_text())["grad_ckpt"] == "none"
+
+
+def test_bench_interleaved_summary_sums_each_batchs_faster_time():
+    from hpcbert.bench import interleaved_budget, summarise_interleaved
+
+    blocks = [{"sequences": 4, "times": {"none": [1.0, 3.0], "all": [2.0, 1.5]}},
+              {"sequences": 4, "times": {"none": [2.0, 2.5], "all": [5.0, 3.0]}},
+              {"sequences": 4, "times": {"none": [1.0, 1.0], "all": [9.0, 1.2]}}]
+    out = summarise_interleaved(blocks, {"none": 100, "all": 25})
+    # Fastest per batch: none 1, 2, 1 (sum 4); all 1.5, 3, 1.2 (sum 5.7), by hand.
+    assert out["blocks"] == 3
+    assert out["policies"]["all"]["time_vs_none"] == pytest.approx(5.7 / 4)
+    assert out["policies"]["all"]["median_block_ratio"] == pytest.approx(1.5)  # ratios 1.5, 1.5, 1.2
+    assert out["policies"]["all"]["bytes_vs_none"] == pytest.approx(0.25)
+    assert out["policies"]["none"]["seq_per_s"] == pytest.approx(12 / 4)
+    assert out["policies"]["all"]["best_step_time_s"] == pytest.approx(5.7 / 3)
+    assert interleaved_budget("0") is None and interleaved_budget("off") is None and interleaved_budget("90s") == 90
+    with pytest.raises(ValueError, match="interleaved: cannot read 'soon'"):
+        interleaved_budget("soon")
 
 
 def test_synthetic_task_is_learnable(tmp_path):

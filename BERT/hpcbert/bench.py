@@ -1,18 +1,24 @@
 """`hpcbert bench`: the embedded default benchmark.
 
-With no arguments: the pretrained minilm-l6 on the synthetic task, short time-boxed runs of every
-gradient-checkpointing policy (none, selective, alternate, all), each in its own process (so
-start-up, peak memory and the time box are each run's own), in 3 rounds that interleave the
-policies (round r starts with the r-th policy), then a table of throughput, step time and
-activation memory per policy relative to `none`, and an HTML report beside the run directories.
-About 3 minutes on a 2-core CPU. Every train option can be given to change what is benchmarked.
+With no arguments: the pretrained minilm-l6 on the synthetic task, every gradient-checkpointing
+policy (none, selective, alternate, all), measured two ways, then a table per policy relative to
+`none` and an HTML report beside the run directories. About 3 minutes on a 2-core CPU. Every train
+option can be given to change what is benchmarked.
 
-Why rounds: on a shared machine other work only ever adds time to a step, and it comes and goes.
-Every run of the bench uses the same seed, so step i trains on the same batch in every run of
-every policy; the fastest time of step i over the rounds is that step's time without the
-contention, and a policy's time relative to `none` is the sum of those fastest times over the
-steps every run reached. One long run per policy measured each under whatever load its minute
-happened to have.
+1. Interleaved (the ratios a user quotes): one process, one model, the training loop's own step
+   (`Trainer.step`); the policy is switched on the model between steps. Batch k runs under every
+   policy twice, in the order P1..Pn Pn..P1 (the first policy rotates with k), so each policy's
+   two measurements of a batch sit seconds apart and beside every other policy's. A policy's step
+   time for batch k is the faster of its two; its time relative to `none` is the sum of those over
+   the batches, over the same sum for `none`. On a shared machine other work only ever adds time,
+   and it comes and goes over seconds to minutes: whatever load a stretch has falls on every
+   policy alike, and the faster of two measurements drops most of what falls on one of them.
+   Separate runs per policy (what the bench did before) measured each policy under whatever load
+   its own minute had, and their ratios moved by up to 8% from one bench to the next.
+2. Runs: one short time-boxed run per policy, each in its own process, through the whole loop
+   (`hpcbert train`), for what only a run has: start-up, peak memory, steps in the box, MFU, the
+   report. `--rounds N` repeats them, interleaved (round r starts with the r-th policy), and their
+   step time is then each step's fastest over the rounds (the same batches in every run).
 """
 
 from __future__ import annotations
@@ -28,13 +34,14 @@ from pathlib import Path
 from . import config
 from .config import parse_grad_ckpt
 
-# Rounds of short boxes, 12 runs x 15 s: the 3 x 50 s the bench took with one run per policy. The
+# Interleaved 90 s + 4 runs x 15 s: the 3 minutes the bench took as 3 rounds of 4 x 15-s runs. The
 # LR schedule (10% warm-up) is one epoch's (128 steps at batch 32), so the short boxes train at full
 # LR. Every step is logged (outside the timed step), so every step's time is in metrics.jsonl.
 DEFAULTS = dict(model="minilm-l6", task="synthetic", time_budget="15s", epochs=1.0, lr=5e-5, log_every=1,
                 do_eval=False, save_model=False)
 DEFAULT_POLICIES = "none,selective,alternate,all"
-DEFAULT_ROUNDS = 3
+DEFAULT_ROUNDS = 1
+DEFAULT_INTERLEAVED = "90s"
 
 
 def add_options(p: argparse.ArgumentParser) -> None:
@@ -42,7 +49,10 @@ def add_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--policies", default=DEFAULT_POLICIES,
                    help=f"comma-separated checkpointing policies (default: {DEFAULT_POLICIES})")
     p.add_argument("--rounds", type=int, default=DEFAULT_ROUNDS,
-                   help=f"runs per policy, interleaved (default: {DEFAULT_ROUNDS})")
+                   help=f"time-boxed runs per policy, interleaved (default: {DEFAULT_ROUNDS})")
+    p.add_argument("--interleaved", default=DEFAULT_INTERLEAVED, metavar="DURATION",
+                   help="time for the interleaved measurement of the policies in one process, whose ratios the "
+                        f"table leads with (default: {DEFAULT_INTERLEAVED}; 0 = runs only)")
 
 
 def _measure_peak_once(base: config.RunConfig) -> None:
@@ -111,26 +121,140 @@ def summarise(runs: dict[str, list[dict]]) -> dict:
     return out
 
 
+def interleaved_budget(text: str) -> float | None:
+    """--interleaved: a duration, or 0 / off for none."""
+    if str(text).strip().lower() in ("0", "0s", "off"):
+        return None
+    return config.parse_duration(text, "interleaved")
+
+
+def interleaved(base: config.RunConfig, policies: list[str], budget_s: float, out: Path) -> dict:
+    """The policies measured in this process on one model, batch by batch (module docstring, 1.).
+    `out` becomes a run directory holding config.json and interleaved.json (every measured time)."""
+    import torch
+
+    from . import dist, meters, objectives
+    from . import policies as pol
+    from .data.features import epoch_order, global_batches
+    from .runfiles import write_json_atomic
+    from .train import Trainer
+
+    # The step of the loop as configured, but eager (a compiled model would recompile at every
+    # switch) and with nothing for the loop's end (no time box, evaluation or saved model).
+    cfg = base.replace(grad_ckpt="none", out=str(out), compile="off", time_budget=None, do_eval=False,
+                       save_model=False)
+    d = dist.init(cfg.threads, cfg.dist_timeout)
+    if d.world_size > 1:
+        raise ValueError("bench: the interleaved measurement runs in one process (start hpcbert bench without "
+                         "torchrun; each run of the policies starts its own processes)")
+    try:
+        tr = Trainer(cfg, d, objectives.get(cfg))
+        model = tr.raw
+
+        def use(policy: str) -> None:
+            pol.unwrap_layers(model)
+            pol.apply_grad_ckpt(model, policy)
+
+        def sync() -> None:
+            if d.device.type == "cuda":
+                torch.cuda.synchronize(d.device)
+
+        acts = {}
+        for p in policies:
+            use(p)
+            acts[p] = meters.activation_bytes_per_sequence(model, tr._example_loss, d.device)
+        batches = global_batches(epoch_order(tr.train_set.lengths, cfg.sampler, cfg.seed, 0, tr.plan.global_batch),
+                                 tr.plan.global_batch)
+
+        def timed(policy: str, gb) -> tuple[float, float]:
+            use(policy)
+            sync()
+            t0 = time.perf_counter()
+            loss, _, counts = tr.step(gb)
+            float(loss)
+            sync()
+            return time.perf_counter() - t0, counts[0]
+
+        for p in policies:  # first steps pay for lazy initialisation: untimed
+            timed(p, batches[0])
+        blocks: list[dict] = []
+        end = time.perf_counter() + budget_s
+        while not blocks or time.perf_counter() < end:
+            k = len(blocks)
+            gb = batches[1 + k % (len(batches) - 1)] if len(batches) > 1 else batches[0]
+            order = policies[k % len(policies):] + policies[:k % len(policies)]
+            times: dict[str, list[float]] = {p: [] for p in policies}
+            for p in order + order[::-1]:
+                dt, tokens = timed(p, gb)
+                times[p].append(dt)
+            blocks.append({"sequences": len(gb), "real_tokens": tokens, "order": order, "times": times})
+    finally:
+        dist.shutdown(d)
+    res = summarise_interleaved(blocks, acts)
+    res["budget_s"] = budget_s
+    write_json_atomic(out / "interleaved.json", {**res, "blocks_measured": blocks})
+    return res
+
+
+def summarise_interleaved(blocks: list[dict], acts: dict[str, int]) -> dict:
+    """Per policy from the blocks (one batch each, every policy's times for it): the fastest time
+    per block, summed over the blocks, relative to `none`'s sum; also the median over blocks of
+    the per-block ratio (a second statistic, to show the first is not carried by a few blocks)."""
+    import statistics
+
+    best = {p: [min(b["times"][p]) for b in blocks] for p in acts}
+    seqs = sum(b["sequences"] for b in blocks)
+    out: dict = {"blocks": len(blocks), "policies": {}}
+    for p in acts:
+        row = {"best_step_time_s": sum(best[p]) / len(blocks), "seq_per_s": seqs / sum(best[p]),
+               "activation_bytes_per_sequence": acts[p]}
+        if "none" in acts:
+            row["time_vs_none"] = sum(best[p]) / sum(best["none"])
+            row["median_block_ratio"] = statistics.median(x / y for x, y in zip(best[p], best["none"]))
+            row["bytes_vs_none"] = acts[p] / acts["none"]
+        out["policies"][p] = row
+    return out
+
+
 def render(result: dict) -> str:
+    """The table: with an interleaved measurement, its ratios and step times lead and the runs add
+    what only a run has; without one (--interleaved 0), the runs' best-of-rounds figures."""
     from .report import markdown_grid
 
     a, b = result["steps_compared"]
+    same = all(p["same_batches"] for p in result["policies"].values())
+    rounds = max(len(p["runs"]) for p in result["policies"].values())
+    runs_line = (f"Runs: one time-boxed process per policy and round; steps {a}..{b} of every run"
+                 + (f", fastest of {rounds} interleaved rounds per step" if rounds > 1 else "")
+                 + f" (the same batches in every run: {'checked' if same else 'NOT the same'})"
+                 + (f"; left out, no timed step: {', '.join(result['dropped_runs'])}." if result.get("dropped_runs")
+                    else "."))
+    inter = result.get("interleaved")
     rows = []
     for policy, p in result["policies"].items():
-        rows.append([policy, f"{p['best_seq_per_s']:.1f}", f"{1000 * p['best_step_time_s']:.0f}",
-                     f"{p.get('time_vs_none', float('nan')):.2f}x",
-                     f"{p['activation_bytes_per_sequence'] / 2**20:.2f}", f"{p.get('bytes_vs_none', float('nan')):.2f}x",
-                     f"{p['peak_memory_bytes'] / 2**30:.2f}",
+        run_cells = [f"{p['best_seq_per_s']:.1f}", f"{p['peak_memory_bytes'] / 2**30:.2f}",
                      ", ".join(str(x) for x in p["steps_in_budget_per_round"]),
-                     ", ".join(f"{x:.1f}" for x in p["startup_s_per_round"])])
-    rounds = max(len(p["runs"]) for p in result["policies"].values())
-    head = (f"Steps {a}..{b} of every run, fastest of up to {rounds} "
-            f"interleaved rounds per step (the same batches in every run: "
-            f"{'checked' if all(p['same_batches'] for p in result['policies'].values()) else 'NOT the same'})"
-            + (f"; left out, no timed step: {', '.join(result['dropped_runs'])}." if result.get("dropped_runs") else "."))
-    return head + "\n\n" + markdown_grid(
-        ["grad_ckpt", "seq/s", "step ms", "time vs none", "act MiB/seq", "bytes vs none", "peak mem GiB",
-         "steps in box (per round)", "startup s (per round)"], rows)
+                     ", ".join(f"{x:.1f}" for x in p["startup_s_per_round"])]
+        if inter:
+            q = inter["policies"][policy]
+            rows.append([policy, f"{q.get('time_vs_none', float('nan')):.2f}x", f"{q.get('bytes_vs_none', float('nan')):.2f}x",
+                         f"{1000 * q['best_step_time_s']:.0f}", f"{q['seq_per_s']:.1f}",
+                         f"{q['activation_bytes_per_sequence'] / 2**20:.2f}", *run_cells])
+        else:
+            rows.append([policy, f"{p.get('time_vs_none', float('nan')):.2f}x", f"{p.get('bytes_vs_none', float('nan')):.2f}x",
+                         f"{1000 * p['best_step_time_s']:.0f}", f"{p['best_seq_per_s']:.1f}",
+                         f"{p['activation_bytes_per_sequence'] / 2**20:.2f}", *run_cells[1:]])
+    if inter:
+        head = (f"Interleaved: {inter['blocks']} batches, each run under every policy twice in one process "
+                f"(order P1..Pn Pn..P1, rotating), the faster of the two per batch, summed. "
+                + runs_line)
+        cols = ["grad_ckpt", "time vs none", "bytes vs none", "step ms", "seq/s", "act MiB/seq",
+                "run seq/s", "run peak mem GiB", "run steps in box", "run startup s"]
+    else:
+        head = runs_line
+        cols = ["grad_ckpt", "time vs none", "bytes vs none", "step ms", "seq/s", "act MiB/seq",
+                "peak mem GiB", "steps in box (per round)", "startup s (per round)"]
+    return head + "\n\n" + markdown_grid(cols, rows)
 
 
 def run(ns: argparse.Namespace) -> int:
@@ -140,6 +264,7 @@ def run(ns: argparse.Namespace) -> int:
     policies = [parse_grad_ckpt(p) for p in ns.policies.split(",") if p.strip()]
     if ns.rounds < 1:
         raise ValueError(f"rounds: must be >= 1, got {ns.rounds}")
+    budget = interleaved_budget(ns.interleaved)  # a bad value fails before any run
     base = config.from_namespace(ns)
     bench_dir = Path(base.out or f"runs/bench-{time.strftime('%Y%m%d-%H%M%S')}")
     env = dict(os.environ)
@@ -161,6 +286,10 @@ def run(ns: argparse.Namespace) -> int:
             run_dirs.append(Path(cfg.out))
             runs[policy].append({"summary": read_summary(cfg.out), "metrics": read_metrics(cfg.out)})
     result = summarise(runs)
+    if budget:
+        print(f"[hpcbert bench] interleaved: {', '.join(policies)} in one process, {budget:.0f} s -> "
+              f"{bench_dir / 'interleaved'}", file=sys.stderr, flush=True)
+        result["interleaved"] = interleaved(base, policies, budget, bench_dir / "interleaved")
     result["command"] = "hpcbert bench " + " ".join(sys.argv[2:])
     (bench_dir / "bench.json").write_text(json.dumps(result, indent=1))
     (bench_dir / "bench.md").write_text(render(result) + "\n")  # the table printed below, kept with the runs

@@ -94,6 +94,15 @@ def wrap_layers(model: nn.Module, policy: str) -> list[int]:
     return chosen
 
 
+def unwrap_layers(model: nn.Module) -> None:
+    """Undo `wrap_layers` in place: every encoder layer runs plainly again (the same modules and
+    parameters; `hpcbert bench` switches policies on one model between steps)."""
+    layers: nn.ModuleList = model.bert.encoder.layer  # type: ignore[assignment]
+    for i, layer in enumerate(layers):
+        if isinstance(layer, CheckpointWrapper):
+            layers[i] = layer._checkpoint_wrapped_module
+
+
 def apply_grad_ckpt(model: nn.Module, policy: str) -> list[int]:
     """`wrap_layers`, after checking that the policy can run on the model's device."""
     device = next(model.parameters()).device
