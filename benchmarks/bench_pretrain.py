@@ -448,17 +448,21 @@ def _seed_noise_line(model: str, hs: list[float], ts: list[float]) -> str:
 
 
 def plot_convergence(runs: list[tuple[str, list[dict], dict]], path: Path) -> None:
+    """Held-out masked-LM accuracy and loss against training tokens seen, one line per run."""
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(7.5, 4.2), layout="constrained")
-    ax = fig.subplots()
+    fig = Figure(figsize=(10, 4.2), layout="constrained")
+    axes = fig.subplots(1, 2)
     for label, metrics, *_ in runs:
-        pts = [(m["tokens_seen"], m["eval"]["eval"]["mlm_accuracy"]) for m in metrics if "eval" in m]
-        ax.plot([p[0] / 1e6 for p in pts], [p[1] for p in pts], marker="o", markersize=3, label=label)
-    ax.set_xlabel("training tokens seen (millions)")
-    ax.set_ylabel("held-out masked-LM accuracy")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+        evals = [m for m in metrics if "eval" in m]
+        x = [m["tokens_seen"] / 1e6 for m in evals]
+        for ax, key in zip(axes, ("mlm_accuracy", "mlm_loss")):
+            ax.plot(x, [m["eval"]["eval"][key] for m in evals], marker="o", markersize=3, label=label)
+    for ax, name in zip(axes, ("held-out masked-LM accuracy", "held-out masked-LM loss")):
+        ax.set_xlabel("training tokens seen (millions)")
+        ax.set_ylabel(name)
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
     fig.savefig(path, dpi=100, metadata={"Software": None})
 
 
@@ -585,7 +589,7 @@ def render_readme(results: Path) -> str:
                   "refitted as the run goes: `lr_horizon_steps` against `steps` in each summary), "
                   "evaluated on the held-out documents (fixed mask) every few minutes of wall time (evaluation "
                   "time counts against the box). The run directories (config, metrics, summary; no weights) are "
-                  "in `convergence/`.", "", "![masked-LM accuracy against tokens seen](convergence.png)", "",
+                  "in `convergence/`.", "", "![masked-LM accuracy and loss against tokens seen](convergence.png)", "",
                   "| run | steps | tokens seen | steady tokens/s | final held-out accuracy | final held-out loss | "
                   "activation bytes / seq | stopped by |", "|---|---|---|---|---|---|---|---|"]
         cmds = []
