@@ -236,5 +236,10 @@ def test_bench_summary_takes_each_steps_fastest_round_and_leaves_out_a_stalled_r
     assert out["policies"]["all"]["time_vs_none"] == pytest.approx(2.0)
     assert out["policies"]["all"]["bytes_vs_none"] == pytest.approx(0.1)
     assert out["policies"]["none"]["best_seq_per_s"] == pytest.approx(4.0)
+    # Without an interleaved measurement (--interleaved 0) the table gives the runs' ratios.
+    from hpcbert.bench import render
+    table = render(out)
+    assert "Interleaved" not in table and "left out, no timed step: all-r2" in table
+    assert "| all | 2.00x | 0.10x | 2000 |" in table
     with pytest.raises(ValueError, match="no run of all logged more than"):
         summarise({"none": [run("none-r1", [9, 1.0])], "all": [run("all-r1", [9])]})
