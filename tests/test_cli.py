@@ -154,7 +154,10 @@ def test_bench_runs_interleaved_rounds_per_policy_and_prints_the_table(tmp_path)
     runs = {(p, k): out / f"{p}-r{k}" for p in ("none", "all") for k in (1, 2)}
     for (policy, _), d in runs.items():
         s = read_summary(d)
-        assert s["grad_ckpt"] == policy and s["time_budget_s"] == 7 and s["steps_in_budget"] == s["steps"] > 0
+        # The box's own tests check where it stops; here only that it stopped the run: the last step
+        # may end past the deadline when the machine slows it after it started (seen under load).
+        assert s["grad_ckpt"] == policy and s["time_budget_s"] == 7 and s["steps"] - 1 <= s["steps_in_budget"] <= s["steps"]
+        assert s["steps"] > 1
     # Round 2 starts with the second policy: its 'all' run started before its 'none' run.
     started = {k: (d / "config.json").stat().st_mtime for k, d in runs.items()}  # written as a run starts
     assert started[("all", 2)] < started[("none", 2)] and started[("none", 1)] < started[("all", 1)]
@@ -184,27 +187,40 @@ def test_bench_runs_interleaved_rounds_per_policy_and_prints_the_table(tmp_path)
     assert len(blocks) == inter["blocks"] == bench["interleaved"]["blocks"] >= 1
     assert [b["order"] for b in blocks[:2]] == [["none", "all"], ["all", "none"]][:len(blocks)]
     assert all(len(b["times"]["none"]) == len(b["times"]["all"]) == 2 for b in blocks)
-    fastest = {p: sum(min(b["times"][p]) for b in blocks) for p in ("none", "all")}
+    assert all(b["batch"] in (1, 2) for b in blocks) and [b["batch"] for b in blocks[:2]] == [1, 2][:len(blocks)]
+    fastest = {p: sum(min(t for b in blocks if b["batch"] == i for t in b["times"][p]) for i in {b["batch"] for b in blocks})
+               for p in ("none", "all")}
     assert bench["interleaved"]["policies"]["all"]["time_vs_none"] == pytest.approx(fastest["all"] / fastest["none"])
     assert bench["interleaved"]["policies"]["all"]["bytes_vs_none"] < 1.0
     assert "Interleaved: " in r.stdout and f"{fastest['all'] / fastest['none']:.2f}x" in rows["all"]
     assert json.loads((out / "interleaved" / "config.json").read_text())["grad_ckpt"] == "none"
 
 
-def test_bench_interleaved_summary_sums_each_batchs_faster_time():
+def test_bench_interleaved_summary_sums_each_batchs_fastest_time():
     from hpcbert.bench import interleaved_budget, summarise_interleaved
 
     blocks = [{"sequences": 4, "times": {"none": [1.0, 3.0], "all": [2.0, 1.5]}},
               {"sequences": 4, "times": {"none": [2.0, 2.5], "all": [5.0, 3.0]}},
               {"sequences": 4, "times": {"none": [1.0, 1.0], "all": [9.0, 1.2]}}]
     out = summarise_interleaved(blocks, {"none": 100, "all": 25})
-    # Fastest per batch: none 1, 2, 1 (sum 4); all 1.5, 3, 1.2 (sum 5.7), by hand.
-    assert out["blocks"] == 3
+    # Without batch indices every block is a batch of its own. Fastest per batch: none 1, 2, 1
+    # (sum 4); all 1.5, 3, 1.2 (sum 5.7), by hand.
+    assert (out["blocks"], out["batches"]) == (3, 3)
     assert out["policies"]["all"]["time_vs_none"] == pytest.approx(5.7 / 4)
-    assert out["policies"]["all"]["median_block_ratio"] == pytest.approx(1.5)  # ratios 1.5, 1.5, 1.2
+    assert out["policies"]["all"]["median_batch_ratio"] == pytest.approx(1.5)  # ratios 1.5, 1.5, 1.2
     assert out["policies"]["all"]["bytes_vs_none"] == pytest.approx(0.25)
     assert out["policies"]["none"]["seq_per_s"] == pytest.approx(12 / 4)
     assert out["policies"]["all"]["best_step_time_s"] == pytest.approx(5.7 / 3)
+    # Blocks 0 and 2 measure one batch (index 1), block 1 another (index 2): batch 1's fastest is
+    # over both its blocks: none min(1, 3, 1, 1) = 1, all min(2, 1.5, 9, 1.2) = 1.2; batch 2: none 2,
+    # all 3. Sums 3 and 4.2; 2 batches of 4 sequences.
+    for b, i in zip(blocks, (1, 2, 1)):
+        b["batch"] = i
+    out = summarise_interleaved(blocks, {"none": 100, "all": 25})
+    assert (out["blocks"], out["batches"]) == (3, 2)
+    assert out["policies"]["all"]["time_vs_none"] == pytest.approx(4.2 / 3)
+    assert out["policies"]["all"]["median_batch_ratio"] == pytest.approx((1.2 + 1.5) / 2)
+    assert out["policies"]["none"]["seq_per_s"] == pytest.approx(8 / 3)
     assert interleaved_budget("0") is None and interleaved_budget("off") is None and interleaved_budget("90s") == 90
     with pytest.raises(ValueError, match="interleaved: cannot read 'soon'"):
         interleaved_budget("soon")

@@ -102,6 +102,54 @@ def test_a_node_that_never_starts_is_named_within_the_join_timeout(tmp_path):
     assert "node(s) 1 never arrived" in r.stderr and "Not started: node 1 = 127.0.0.2." in r.stderr
 
 
+def test_a_taken_port_is_replaced_by_a_free_one():
+    import socket
+    with socket.socket() as held:
+        held.bind(("", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        other = launch.port_or_free(port)
+        assert other != port
+        with socket.socket() as s:  # the replacement can be listened on
+            s.bind(("", other))
+            s.listen()
+    assert launch.port_or_free(port) == port  # free again once the holder closed
+
+
+@pytest.mark.slow
+def test_the_head_hands_a_replacement_port_to_the_other_nodes_when_the_job_port_is_taken(tmp_path):
+    # Two jobs whose ids land on one port (CI saw EADDRINUSE on a job's derived port): the head takes
+    # a free port and node 1, which cannot see the head's ports, learns it at check-in.
+    import socket
+    job = f"taken-{os.getpid()}"
+    derived = launch.default_port(job)
+    env = {**run_env(), "OMP_NUM_THREADS": "1"}
+    with socket.socket() as held:
+        held.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        held.bind(("", derived))
+        held.listen()
+        procs = [subprocess.Popen([sys.executable, "-m", "hpcbert.launch", "--hosts", "127.0.0.1,127.0.0.2",
+                                   "--node-rank", str(r), "--job-id", job, "--join-timeout", "60",
+                                   "--nproc-per-node", "1", "--", "--model", "bert-tiny", "--task", "synthetic",
+                                   "--threads", "1", "--max-steps", "2", "--batch-size", "4",
+                                   "--synthetic-train-size", "16", "--synthetic-dev-size", "4", "--dist-timeout", "60",
+                                   "--out", str(tmp_path / "run")],
+                                  env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                 for r in (0, 1)]
+        try:
+            logs = [p.communicate(timeout=150)[0] for p in procs]
+        finally:
+            for p in procs:
+                p.kill()
+    for p, log in zip(procs, logs):
+        assert p.returncode == 0, log[-3000:]
+    assert f"port {derived} (from job id {job}) is taken" in logs[0]
+    endpoints = [[w for w in log.split() if w.startswith("--rdzv-endpoint=")] for log in logs]
+    assert endpoints[0] and endpoints[0][0] != f"--rdzv-endpoint=127.0.0.1:{derived}"
+    assert endpoints[0] == endpoints[1]  # node 1 uses the head's replacement
+    assert read_summary(tmp_path / "run")["world_size"] == 2
+
+
 def test_container_wrapper_and_interpreter_come_from_the_job_environment():
     env = {k: v for k, v in run_env().items() if not k.startswith(("SLURM_", "PBS_"))}
     env.update(HPCBERT_WRAPPER="/kit/singularity/exec.sh", HPCBERT_PYTHON="/opt/py/bin/python3")

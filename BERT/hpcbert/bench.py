@@ -6,15 +6,17 @@ policy (none, selective, alternate, all), measured two ways, then a table per po
 option can be given to change what is benchmarked.
 
 1. Interleaved (the ratios a user quotes): one process, one model, the training loop's own step
-   (`Trainer.step`); the policy is switched on the model between steps. Batch k runs under every
-   policy twice, in the order P1..Pn Pn..P1 (the first policy rotates with k), so each policy's
-   two measurements of a batch sit seconds apart and beside every other policy's. A policy's step
-   time for batch k is the faster of its two; its time relative to `none` is the sum of those over
-   the batches, over the same sum for `none`. On a shared machine other work only ever adds time,
-   and it comes and goes over seconds to minutes: whatever load a stretch has falls on every
-   policy alike, and the faster of two measurements drops most of what falls on one of them.
-   Separate runs per policy (what the bench did before) measured each policy under whatever load
-   its own minute had, and their ratios moved by up to 8% from one bench to the next.
+   (`Trainer.step`); the policy is switched on the model between steps. A few batches
+   (INTERLEAVED_BATCHES, taken in turn) are measured over and over: block k runs its batch under
+   every policy twice, in the order P1..Pn Pn..P1 (the first policy rotates with k), so each
+   policy's measurements of a batch sit seconds apart and beside every other policy's. A policy's
+   step time for a batch is its fastest over every block of that batch; its time relative to
+   `none` is the sum of those over the batches, over the same sum for `none`. On a shared machine
+   other work only ever adds time, and it comes and goes over seconds to minutes: the fastest of
+   many measurements of the same step drops it. Separate runs per policy (what the bench did
+   first) measured each policy under whatever load its own minute had, and their ratios moved by
+   up to 8% from one bench to the next; a new batch per block (the fastest of only two
+   measurements each) still moved them by 7%.
 2. Runs: one short time-boxed run per policy, each in its own process, through the whole loop
    (`hpcbert train`), for what only a run has: start-up, peak memory, steps in the box, MFU, the
    report. `--rounds N` repeats them, interleaved (round r starts with the r-th policy), and their
@@ -42,6 +44,10 @@ DEFAULTS = dict(model="minilm-l6", task="synthetic", time_budget="15s", epochs=1
 DEFAULT_POLICIES = "none,selective,alternate,all"
 DEFAULT_ROUNDS = 1
 DEFAULT_INTERLEAVED = "90s"
+# Batches the interleaved measurement cycles over: two (of different lengths) so no one batch's
+# shape decides the ratio, and few, so each is measured often enough (about 8 times per policy in
+# the default 90 s) for its fastest time to be free of the machine's other load.
+INTERLEAVED_BATCHES = 2
 
 
 def add_options(p: argparse.ArgumentParser) -> None:
@@ -179,15 +185,17 @@ def interleaved(base: config.RunConfig, policies: list[str], budget_s: float, ou
             timed(p, batches[0])
         blocks: list[dict] = []
         end = time.perf_counter() + budget_s
+        measured = list(range(1, min(len(batches), 1 + INTERLEAVED_BATCHES))) or [0]
         while not blocks or time.perf_counter() < end:
             k = len(blocks)
-            gb = batches[1 + k % (len(batches) - 1)] if len(batches) > 1 else batches[0]
+            i = measured[k % len(measured)]
+            gb = batches[i]
             order = policies[k % len(policies):] + policies[:k % len(policies)]
             times: dict[str, list[float]] = {p: [] for p in policies}
             for p in order + order[::-1]:
                 dt, tokens = timed(p, gb)
                 times[p].append(dt)
-            blocks.append({"sequences": len(gb), "real_tokens": tokens, "order": order, "times": times})
+            blocks.append({"batch": i, "sequences": len(gb), "real_tokens": tokens, "order": order, "times": times})
     finally:
         dist.shutdown(d)
     res = summarise_interleaved(blocks, acts)
@@ -197,20 +205,24 @@ def interleaved(base: config.RunConfig, policies: list[str], budget_s: float, ou
 
 
 def summarise_interleaved(blocks: list[dict], acts: dict[str, int]) -> dict:
-    """Per policy from the blocks (one batch each, every policy's times for it): the fastest time
-    per block, summed over the blocks, relative to `none`'s sum; also the median over blocks of
-    the per-block ratio (a second statistic, to show the first is not carried by a few blocks)."""
+    """Per policy from the blocks (each: its batch's index and every policy's times for it): the
+    fastest time per batch over all its blocks, summed over the batches, relative to `none`'s sum;
+    also the median over batches of the per-batch ratio (to show the first is not carried by one
+    batch). A block without a batch index is a batch of its own."""
     import statistics
 
-    best = {p: [min(b["times"][p]) for b in blocks] for p in acts}
-    seqs = sum(b["sequences"] for b in blocks)
-    out: dict = {"blocks": len(blocks), "policies": {}}
+    groups: dict = {}
+    for k, b in enumerate(blocks):
+        groups.setdefault(b.get("batch", f"block{k}"), []).append(b)
+    best = {p: [min(t for b in g for t in b["times"][p]) for g in groups.values()] for p in acts}
+    seqs = sum(g[0]["sequences"] for g in groups.values())
+    out: dict = {"blocks": len(blocks), "batches": len(groups), "policies": {}}
     for p in acts:
-        row = {"best_step_time_s": sum(best[p]) / len(blocks), "seq_per_s": seqs / sum(best[p]),
+        row = {"best_step_time_s": sum(best[p]) / len(groups), "seq_per_s": seqs / sum(best[p]),
                "activation_bytes_per_sequence": acts[p]}
         if "none" in acts:
             row["time_vs_none"] = sum(best[p]) / sum(best["none"])
-            row["median_block_ratio"] = statistics.median(x / y for x, y in zip(best[p], best["none"]))
+            row["median_batch_ratio"] = statistics.median(x / y for x, y in zip(best[p], best["none"]))
             row["bytes_vs_none"] = acts[p] / acts["none"]
         out["policies"][p] = row
     return out
@@ -245,8 +257,10 @@ def render(result: dict) -> str:
                          f"{1000 * p['best_step_time_s']:.0f}", f"{p['best_seq_per_s']:.1f}",
                          f"{p['activation_bytes_per_sequence'] / 2**20:.2f}", *run_cells[1:]])
     if inter:
-        head = (f"Interleaved: {inter['blocks']} batches, each run under every policy twice in one process "
-                f"(order P1..Pn Pn..P1, rotating), the faster of the two per batch, summed. "
+        n_batches = inter.get("batches", inter["blocks"])
+        head = (f"Interleaved: {inter['blocks']} blocks over {n_batches} batch(es) in one process, each block its "
+                f"batch under every policy twice (order P1..Pn Pn..P1, rotating); a policy's fastest time per "
+                f"batch, summed over the batches. "
                 + runs_line)
         cols = ["grad_ckpt", "time vs none", "bytes vs none", "step ms", "seq/s", "act MiB/seq",
                 "run seq/s", "run peak mem GiB", "run steps in box", "run startup s"]

@@ -134,10 +134,13 @@ class Rendezvous:
     store_host: str = "rank 0"
 
 
-def check_in(rank: int, world: int, timeout_s: float, rv: Rendezvous) -> dist.TCPStore:
+def check_in(rank: int, world: int, timeout_s: float, rv: Rendezvous,
+             shared: dict[str, str] | None = None) -> dist.TCPStore:
     """Every member (rank, or node for the launcher) announces itself in a TCPStore at addr:port
     and waits until all `world` have. Raises StartupError naming the members that did not arrive
-    within timeout_s; member 0 publishes the list so every waiting member reports the same."""
+    within timeout_s; member 0 publishes the list so every waiting member reports the same.
+    `shared`: member 0's values are published before it arrives, and every other member's dict
+    (same keys) is filled with them once all have arrived (the launcher's torchrun port)."""
     addr, port, host_store, prefix, who, option, store_host = (rv.addr, rv.port, rv.host_store, rv.prefix, rv.who,
                                                                 rv.option, rv.store_host)
     where = f"{addr}:{port}"
@@ -160,12 +163,18 @@ def check_in(rank: int, world: int, timeout_s: float, rv: Rendezvous) -> dist.TC
         raise StartupError(f"{who} {rank}: could not open the rendezvous store at {where} within {timeout_s:g} s; "
                            f"{unreachable} Underlying error: {e}", [] if host_store else [0]) from None
     key = lambda r: f"{prefix}/{who}{r}"  # noqa: E731
+    if rank == 0:
+        for k, v in (shared or {}).items():
+            store.set(f"{prefix}/shared/{k}", v)
     store.set(key(rank), socket.gethostname())
     store.add(f"{prefix}/arrived", 1)
     grace = 0.0 if rank == 0 else 5.0  # the others allow member 0 a little longer to publish its list
     try:
         while True:
             if store.add(f"{prefix}/arrived", 0) >= world:
+                if rank != 0:  # member 0 set these before it arrived; it keeps the store up until "done"
+                    for k in shared or {}:
+                        shared[k] = store.get(f"{prefix}/shared/{k}").decode()
                 store.add(f"{prefix}/done", 1)
                 if host_store:  # keep the store up until every member has seen that all arrived
                     until = time.monotonic() + 10.0

@@ -13,7 +13,9 @@ Where the inputs come from (the first that applies):
   nothing                one node
 Start it once per node: `srun --ntasks-per-node=1`, `mpiexec -n NNODES --ppn 1`, or by hand.
 The job id is the rendezvous id (never reused across jobs) and, unless --port is given, picks the
-rendezvous port, so two jobs sharing a head node do not collide.
+rendezvous port, so two jobs sharing a head node do not collide; should another job hold that
+port all the same (two ids can land on one port), the head takes a free one instead and, on
+several nodes, hands it to the others through the node check-in (at the derived port + 1).
 """
 
 from __future__ import annotations
@@ -126,6 +128,19 @@ def default_port(job_id: str) -> int:
     return 29400 + zlib.crc32(job_id.encode()) % 500
 
 
+def port_or_free(port: int) -> int:
+    """`port` if this machine can listen on it now, else a free port the OS picks (both as torchrun's
+    TCPStore binds: every address, SO_REUSEADDR, so a closed job's TIME_WAIT does not count as busy)."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("", port))
+            return port
+        except OSError:
+            s.bind(("", 0))
+            return s.getsockname()[1]
+
+
 def torchrun_command(nodes: Nodes, nproc_per_node: int | str, port: int, train_args: list[str], *,
                      local_addr: str | None = None, max_restarts: int = 0, join_timeout: int = 600,
                      python: str = sys.executable) -> list[str]:
@@ -151,25 +166,27 @@ def launch_env(env: dict[str, str], ifname: str | None) -> dict[str, str]:
     return out
 
 
-def wait_for_nodes(nodes: Nodes, port: int, timeout_s: float) -> bool:
-    """Every node's launcher checks in at head:port and waits for the others; False (after printing
-    which nodes never came, by rank and host) when some did not within timeout_s. torchrun's own
-    rendezvous would only report a timeout, after --join-timeout, without naming anyone."""
+def wait_for_nodes(nodes: Nodes, port: int, timeout_s: float, rdzv_port: int) -> int | None:
+    """Every node's launcher checks in at head:port+1 (`port`: the derived rendezvous port) and waits
+    for the others; returns torchrun's rendezvous port as the head chose it (`rdzv_port` there), or None (after printing which nodes
+    never came, by rank and host) when some did not within timeout_s. torchrun's own rendezvous
+    would only report a timeout, after --join-timeout, without naming anyone."""
     try:
         from .dist import Rendezvous, StartupError, check_in
     except ImportError as e:  # torch only inside the container (HPCBERT_WRAPPER): torchrun waits alone
         print(f"hpcbert launch: no node check-in here ({e}); torchrun waits --join-timeout", file=sys.stderr)
-        return True
+        return port  # nothing to hand a fallback port over with: every node keeps the derived one
+    shared = {"rdzv_port": str(rdzv_port)}
     try:
-        rv = Rendezvous(nodes.head, port, f"hpcbert-launch/{nodes.job_id}", host_store=nodes.node_rank == 0,
+        rv = Rendezvous(nodes.head, port + 1, f"hpcbert-launch/{nodes.job_id}", host_store=nodes.node_rank == 0,
                         who="node", option="--join-timeout", store_host=f"the launcher on the head node {nodes.head}")
-        store = check_in(nodes.node_rank, nodes.nnodes, timeout_s, rv)
+        store = check_in(nodes.node_rank, nodes.nnodes, timeout_s, rv, shared)
     except StartupError as e:
         hosts = ", ".join(f"node {i} = {nodes.hosts[i]}" for i in e.missing)
         print(f"hpcbert launch: error: {e}" + (f" Not started: {hosts}." if hosts else ""), file=sys.stderr)
-        return False
+        return None
     del store  # closes the check-in store before torchrun starts
-    return True
+    return int(shared["rdzv_port"])
 
 
 def _default_nproc(env: dict[str, str]) -> int:
@@ -216,20 +233,33 @@ def main(argv: list[str] | None = None) -> int:
     local = nodes.hosts[nodes.node_rank]
     local_addr = ns.local_addr or (local if is_ip(local) and nodes.source != "single" else None)
     port = ns.port or default_port(nodes.job_id)
-    cmd = torchrun_command(nodes, ns.nproc_per_node or _default_nproc(env), port, train_args, local_addr=local_addr,
-                           max_restarts=ns.max_restarts, join_timeout=ns.join_timeout,
-                           python=env.get("HPCBERT_PYTHON") or sys.executable)
-    if env.get("HPCBERT_WRAPPER"):  # a container prefix (singularity/exec.sh): WRAPPER -- torchrun ...
-        cmd = [env["HPCBERT_WRAPPER"], "--", *cmd]
+    nproc = ns.nproc_per_node or _default_nproc(env)
+    python = env.get("HPCBERT_PYTHON") or sys.executable
     new_env = launch_env(env, ns.ifname)
     changes = {k: v for k, v in new_env.items() if env.get(k) != v}
     print(f"hpcbert launch: {nodes.source}: node {nodes.node_rank} of {nodes.nnodes} ({', '.join(nodes.hosts)}), "
           f"head {nodes.head}, job {nodes.job_id}", file=sys.stderr, flush=True)
+    if not ns.dry_run:
+        rdzv_port = port
+        if nodes.node_rank == 0 and not ns.port:  # an explicit --port is the user's to keep free
+            rdzv_port = port_or_free(port)
+            if rdzv_port != port:
+                print(f"hpcbert launch: port {port} (from job id {nodes.job_id}) is taken on {socket.gethostname()}; "
+                      f"the rendezvous uses port {rdzv_port}" + (", handed to the other nodes at check-in"
+                                                                 if nodes.nnodes > 1 else ""),
+                      file=sys.stderr, flush=True)
+        if nodes.nnodes > 1:
+            rdzv_port = wait_for_nodes(nodes, port, ns.join_timeout, rdzv_port)
+            if rdzv_port is None:
+                return 1
+        port = rdzv_port
+    cmd = torchrun_command(nodes, nproc, port, train_args, local_addr=local_addr, max_restarts=ns.max_restarts,
+                           join_timeout=ns.join_timeout, python=python)
+    if env.get("HPCBERT_WRAPPER"):  # a container prefix (singularity/exec.sh): WRAPPER -- torchrun ...
+        cmd = [env["HPCBERT_WRAPPER"], "--", *cmd]
     print(" ".join(f"{k}={shlex.quote(v)}" for k, v in changes.items()), shlex.join(cmd), file=sys.stderr, flush=True)
     if ns.dry_run:
         return 0
-    if nodes.nnodes > 1 and not wait_for_nodes(nodes, port + 1, ns.join_timeout):
-        return 1
     os.execvpe(cmd[0], cmd, new_env)
     return 1  # not reached
 
