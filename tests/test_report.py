@@ -215,6 +215,25 @@ def test_find_run_dirs_does_not_descend_into_runs(tmp_path):
     assert report.find_run_dirs(tmp_path / "study") == [run, tmp_path / "study" / "sub" / "r2"]
 
 
+def test_a_benchs_interleaved_measurement_is_not_taken_for_an_unfinished_run(tmp_path):
+    # `hpcbert bench` leaves runs/bench-*/interleaved/ with config.json (the Trainer it builds) and
+    # interleaved.json, never summary.json: the report must not list it as a crashed run.
+    bench = tmp_path / "bench"
+    run = make_run(bench, "none")
+    write_json(bench / "interleaved" / "config.json", {})
+    write_json(bench / "interleaved" / "interleaved.json", {"blocks": []})
+    write_json(bench / "crashed" / "config.json", {})
+    assert report.find_run_dirs(bench) == [bench / "crashed", run]
+    runs, skipped = report.load_runs([bench])
+    assert [r["rel"] for r in runs] == ["none"]
+    assert [p for p, _ in skipped] == [f"{bench}/crashed"]
+    _, skipped = report.load_runs([bench / "interleaved"])
+    assert len(skipped) == 1 and "interleaved measurement of `hpcbert bench`" in skipped[0][1]
+    # while it is still measuring (no interleaved.json yet) it is an unfinished run like any other
+    (bench / "interleaved" / "interleaved.json").unlink()
+    assert bench / "interleaved" in report.find_run_dirs(bench)
+
+
 # --- formats parse back to the same numbers ------------------------------------------------------
 
 def _parse_md_table(md: str) -> pd.DataFrame:

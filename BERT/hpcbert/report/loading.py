@@ -31,9 +31,17 @@ TEXT_KEYS = ("task", "model", "precision", "grad_ckpt", "optimizer", "main_metri
 
 
 def is_run_dir(path: str | os.PathLike) -> bool:
-    """A run directory holds summary.json (finished) or at least config.json (started)."""
+    """A run directory holds summary.json (finished) or at least config.json (started); a bench's
+    finished interleaved measurement (config.json beside interleaved.json) is not a run: its
+    figures are the bench's table (bench.md one folder up)."""
     p = Path(path)
+    if is_interleaved_dir(p):
+        return False
     return (p / "summary.json").is_file() or (p / "config.json").is_file()
+
+
+def is_interleaved_dir(path: Path) -> bool:
+    return (path / "interleaved.json").is_file() and not (path / "summary.json").is_file()
 
 
 def find_run_dirs(path: str | os.PathLike) -> list[Path]:
@@ -79,7 +87,10 @@ def load_runs_as(args: Sequence[tuple[str, Path]]) -> tuple[list[dict], list[tup
             skipped.append((shown, f"{shown}: not a directory (give a run directory or a folder of runs)"))
             continue
         dirs = find_run_dirs(path)
-        if not dirs:
+        if not dirs and is_interleaved_dir(path):
+            skipped.append((shown, f"{shown}: the interleaved measurement of `hpcbert bench`, not a run: "
+                                   f"its table is bench.md in the folder above"))
+        elif not dirs:
             skipped.append((shown, f"{shown}: not an hpcbert run (no summary.json or config.json) "
                                    f"and no run directories below it"))
         for d in dirs:
