@@ -444,9 +444,21 @@ def render_accuracy(runs: list[dict]) -> str:
         lines += ["", f"Dev accuracy hpcbert − Trainer: **{means['hpcbert'] - means['hf']:+.2f} points** (std: the "
                       f"sample std over seeds; the same seed is not the same run on the two sides: different "
                       f"generators draw the weights and the order)."]
+    stuck = [r for r in runs if r.get("final_loss") is not None and abs(r["final_loss"] - math.log(2)) < 0.01 * math.log(2)]
+    if stuck:
+        names = ", ".join(f"{'hpcbert' if r['side'] == 'hpcbert' else 'Trainer'} seed {r['seed']} (final training "
+                          f"loss {r['final_loss']:.4f}, dev accuracy {100 * r['accuracy']:.2f}%)" for r in stuck)
+        learned = {side: [100 * r["accuracy"] for r in runs if r["side"] == side and r not in stuck]
+                   for side in ("hpcbert", "hf")}
+        lines += ["", f"Did not learn: {names}: the training loss stayed at ln 2 = 0.6931, a constant prediction's "
+                      f"loss on two balanced classes (a from-scratch post-LN BERT at this learning rate can fail to "
+                      f"leave it; the run is kept in the table). Over the runs that learned: "
+                      + "; ".join(f"{'hpcbert' if side == 'hpcbert' else 'Trainer'} {_pm(*mean_std(a))} ({len(a)} "
+                                  f"seed(s))" for side, a in learned.items() if a) + "."]
     lines += ["", "Commands (one segment of at most 20 minutes of training each, repeated until the run is done, "
                   "under `/work/tools/shared nice -n 10`):", ""]
-    lines += [f"- `{r['command']}` ({r['date']}): accuracy {100 * r['accuracy']:.2f}%, {r['segments']} segment(s), "
+    lines += [f"- `{r['command']}` ({r['date']}): accuracy {100 * r['accuracy']:.2f}%, final training loss "
+              f"{'—' if r.get('final_loss') is None else format(r['final_loss'], '.4f')}, {r['segments']} segment(s), "
               f"other work {r['other_cores_during']:.2f} cores" for r in sorted(runs, key=lambda r: (r["seed"], r["side"]))]
     return "\n".join(lines)
 
