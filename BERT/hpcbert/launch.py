@@ -168,9 +168,11 @@ def launch_env(env: dict[str, str], ifname: str | None) -> dict[str, str]:
 
 def wait_for_nodes(nodes: Nodes, port: int, timeout_s: float, rdzv_port: int) -> int | None:
     """Every node's launcher checks in at head:port+1 (`port`: the derived rendezvous port) and waits
-    for the others; returns torchrun's rendezvous port as the head chose it (`rdzv_port` there), or None (after printing which nodes
-    never came, by rank and host) when some did not within timeout_s. torchrun's own rendezvous
-    would only report a timeout, after --join-timeout, without naming anyone."""
+    for the others; returns torchrun's rendezvous port as the head chose it (`rdzv_port` there), or
+    None (after printing which nodes never came, by rank and host) when some did not within
+    timeout_s. torchrun's own rendezvous would only report a timeout, after --join-timeout, without
+    naming anyone. The head's choice can still be taken between its check and torchrun's bind (a
+    window of the check-in's length): torchrun then fails with EADDRINUSE and names the port."""
     try:
         from .dist import Rendezvous, StartupError, check_in
     except ImportError as e:  # torch only inside the container (HPCBERT_WRAPPER): torchrun waits alone
