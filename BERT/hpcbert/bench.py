@@ -12,11 +12,11 @@ option can be given to change what is benchmarked.
    policy's measurements of a batch sit seconds apart and beside every other policy's. A policy's
    step time for a batch is its fastest over every block of that batch; its time relative to
    `none` is the sum of those over the batches, over the same sum for `none`. On a shared machine
-   other work only ever adds time, and it comes and goes over seconds to minutes: the fastest of
-   many measurements of the same step drops it. Separate runs per policy (what the bench did
-   first) measured each policy under whatever load its own minute had, and their ratios moved by
-   up to 8% from one bench to the next; a new batch per block (the fastest of only two
-   measurements each) still moved them by 7%.
+   other work only ever adds time: the fastest of many measurements of the same step drops load
+   that comes and goes within seconds, but not load that lasts the whole bench. Separate runs
+   per policy (what the bench did first) moved the ratios by up to 8% from one bench to the next,
+   a new batch per block (the fastest of two) by 7%, and this scheme still by up to 10% on the
+   project's shared 2-core host (results/bench/ and its next-run/): compare within one bench.
 2. Runs: one short time-boxed run per policy, each in its own process, through the whole loop
    (`hpcbert train`), for what only a run has: start-up, peak memory, steps in the box, MFU, the
    report. `--rounds N` repeats them, interleaved (round r starts with the r-th policy), and their
@@ -45,8 +45,8 @@ DEFAULT_POLICIES = "none,selective,alternate,all"
 DEFAULT_ROUNDS = 1
 DEFAULT_INTERLEAVED = "90s"
 # Batches the interleaved measurement cycles over: two (of different lengths) so no one batch's
-# shape decides the ratio, and few, so each is measured often enough (about 8 times per policy in
-# the default 90 s) for its fastest time to be free of the machine's other load.
+# shape decides the ratio, and few, so each is measured often (about 8 times per policy in the
+# default 90 s) and its fastest time drops short bursts of the machine's other load.
 INTERLEAVED_BATCHES = 2
 
 
