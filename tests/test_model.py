@@ -118,29 +118,48 @@ def test_flops_formula_matches_field_notes():
     assert flops_per_sequence(large, 512) / 1e9 == pytest.approx(1005, rel=0.01)
 
 
+@pytest.mark.parametrize("head", ["classifier", "span"])
 @pytest.mark.parametrize("h, layers, seq_len, ffn", [
     (32, 2, 64, 4), (64, 1, 16, 4), (48, 3, 96, 4),
     (32, 2, 64, 2),  # a feed-forward 2h wide: the formula must use intermediate_size, not assume 4h
 ])
-def test_flops_formula_matches_counted_matmul_flops_of_a_training_step(h, layers, seq_len, ffn):
+def test_flops_formula_matches_counted_matmul_flops_of_a_training_step(h, layers, seq_len, ffn, head):
     # Count what a real forward + backward executes (torch's FlopCounterMode counts matmuls, linear
     # layers and scaled-dot-product attention, forward and backward) and compare with the formula.
     # The shapes make the attention term 4*s^2*h a large share (s/(6h) of the linear term), so a
     # wrong s^2 term cannot hide. Tolerance 2%: the formula leaves out the pooler and classifier
-    # (2*(h^2 + 2h) FLOPs per sequence forward, at most 0.52% here); embeddings, LayerNorm, softmax,
-    # GELU and dropout are not matmuls and are counted by neither.
+    # (2*(h^2 + 2h) FLOPs per sequence forward, at most 0.52% here) and the span head (2*2h per
+    # token, 0.3%); embeddings, LayerNorm, softmax, GELU and dropout are not matmuls and are
+    # counted by neither. The classifier's last layer runs its output projection and feed-forward
+    # on [CLS] alone (head_rows=1 per sequence); the span head reads every token (None). One
+    # sequence in three is padded to half its length: the formula takes real lengths.
     from torch.utils.flop_counter import FlopCounterMode
+
+    from hpcbert.model import BertForQuestionAnswering, batch_flops
     cfg = BertConfig(vocab_size=100, hidden_size=h, num_hidden_layers=layers, num_attention_heads=4,
                      intermediate_size=ffn * h, max_position_embeddings=128)
-    model = BertForSequenceClassification(cfg).train()
+    model = (BertForSequenceClassification if head == "classifier" else BertForQuestionAnswering)(cfg).train()
     B = 3
+    lengths = [seq_len, seq_len // 2, seq_len]
     ids = torch.randint(5, 100, (B, seq_len), generator=torch.Generator().manual_seed(0))
+    mask = torch.arange(seq_len)[None] < torch.tensor(lengths)[:, None]
+
+    def loss():
+        out = model(ids, mask, torch.zeros_like(ids))
+        return model.loss_sum(out, torch.tensor([0, 1, 1])) if head == "classifier" else sum(o.sum() for o in out)
+
     with FlopCounterMode(display=False) as counter:
-        logits = model(ids, None, torch.zeros_like(ids))
-        model.loss_sum(logits, torch.tensor([0, 1, 1])).backward()
-    counted = counter.get_total_flops() / B
+        loss().backward()
+    counted = counter.get_total_flops()
     # Independent check of the counter itself on this model: forward alone is a third of a step.
     with FlopCounterMode(display=False) as fwd, torch.no_grad():
-        model(ids, None, torch.zeros_like(ids))
-    assert fwd.get_total_flops() / B == pytest.approx(counted / 3, rel=0.02)
-    assert flops_per_sequence(cfg, seq_len) == pytest.approx(counted, rel=0.02)
+        loss()
+    assert fwd.get_total_flops() == pytest.approx(counted / 3, rel=0.02)
+    rows = B if head == "classifier" else None
+    assert batch_flops(cfg, lengths, rows) == pytest.approx(counted, rel=0.02)
+    if head == "span":  # one full-length sequence: the per-sequence formula of the field notes
+        assert flops_per_sequence(cfg, seq_len) * 2 + flops_per_sequence(cfg, seq_len // 2) == \
+            pytest.approx(counted, rel=0.02)
+    else:
+        assert flops_per_sequence(cfg, seq_len, head_rows=1) * 2 + flops_per_sequence(cfg, seq_len // 2, 1) == \
+            pytest.approx(counted, rel=0.02)

@@ -241,15 +241,20 @@ def test_new_policies_same_loss_and_gradients_as_none_with_dropout(policy):
 
 
 def test_selective_keeps_fewer_bytes_than_none_and_more_than_all():
+    # On a span head, which reads every position, so every layer runs whole (a classifier's last
+    # layer runs on [CLS] alone and keeps almost nothing under any policy).
+    from hpcbert.model import BertForQuestionAnswering
+
     measured = {}
     for policy in ("none", "selective", "all"):
         torch.manual_seed(0)
-        m = BertForSequenceClassification(BertConfig(**TINY)).train()
+        m = BertForQuestionAnswering(BertConfig(**TINY)).train()
         policies.wrap_layers(m, policy)
 
         def loss_of(b: int, m=m) -> torch.Tensor:
             ids = torch.randint(1, 500, (b, 32))
-            return m.loss_sum(m(ids, None, torch.zeros_like(ids)), torch.zeros(b, dtype=torch.long))
+            start, end = m(ids, None, torch.zeros_like(ids))
+            return start.logsumexp(-1).sum() + end.logsumexp(-1).sum()
 
         measured[policy] = activation_bytes_per_sequence(m, loss_of, torch.device("cpu"))
     assert measured["all"] < measured["selective"] < 0.8 * measured["none"]
@@ -305,3 +310,62 @@ def test_tokens_from_host_lengths_are_the_tokens_of_the_mask():
     assert full.tokens.index is None and full.tokens.mask is None and full.tokens.groups == [(0, len(ids), ids.shape[1])]
     with pytest.raises(ValueError, match="built for"):
         m(ids[:, :5], b, types[:, :5])
+
+
+@pytest.mark.parametrize("policy", ["none", "alternate", "selective"])
+@pytest.mark.parametrize("head", ["BertForMaskedLM", "BertForPreTraining"])
+def test_masked_lm_heads_reading_the_masked_rows_equal_hf_full_model(head, policy):
+    """The last layer runs at the masked positions only (and [CLS] for next-sentence): loss and every
+    gradient equal transformers' model, which computes every position, gathered at the same places."""
+    from hpcbert import model as M
+
+    tf = transformers()
+    torch.manual_seed(0)
+    c = {**TINY, **NO_DROPOUT}
+    ours = getattr(M, head)(BertConfig(**c))
+    hf = getattr(tf, head)(tf.BertConfig(**c, attn_implementation="eager"))
+    hf.load_state_dict(hf_state_dict(ours), strict=False)
+    hf.tie_weights()
+    policies.wrap_layers(ours, policy)
+    ours.train(), hf.train()
+    ids, mask, types, labels = padded_batch()
+    T = ids.shape[1]
+    pos = torch.tensor([0 * T + 1, 0 * T + 20, 1 * T + 3, 3 * T + 2, 4 * T + 0, 5 * T + 8])  # real tokens
+    targets = ids.reshape(-1)[pos]
+
+    out = hf(input_ids=ids, attention_mask=mask.long(), token_type_ids=types)
+    logits = (out.logits if head == "BertForMaskedLM" else out.prediction_logits).reshape(-1, TINY["vocab_size"])[pos]
+    ref = torch.nn.functional.cross_entropy(logits, targets, reduction="sum")
+    if head == "BertForPreTraining":
+        ref = ref + torch.nn.functional.cross_entropy(out.seq_relationship_logits, labels, reduction="sum")
+    ref.backward()
+    got = ours(ids, mask, types, pos)
+    loss = torch.nn.functional.cross_entropy(got if head == "BertForMaskedLM" else got[0], targets, reduction="sum")
+    if head == "BertForPreTraining":
+        loss = loss + torch.nn.functional.cross_entropy(got[1], labels, reduction="sum")
+    loss.backward()
+    assert torch.allclose(loss, ref, rtol=1e-6, atol=0)
+    ref_grads = {n: p.grad for n, p in hf.named_parameters() if p.grad is not None}
+    grads = {n: g for n, g in our_grads(ours).items() if n in ref_grads}
+    assert grads.keys() == ref_grads.keys()
+    assert_same_grads(grads, ref_grads)
+
+
+def test_the_last_layer_computes_only_the_rows_its_head_reads():
+    """Forward FLOPs counted by PyTorch against a hand count: a classifier runs its last layer's
+    output projection and feed-forward on [CLS] alone; every other layer on every real token."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    torch.manual_seed(0)
+    c = BertConfig(**TINY, **NO_DROPOUT, num_labels=3)
+    m = BertForSequenceClassification(c).eval()
+    ids, mask, types, _ = padded_batch()
+    lengths = mask.sum(1)
+    n, B, H, I, nl = int(lengths.sum()), len(ids), c.hidden_size, c.intermediate_size, c.num_hidden_layers
+    qkv = 2 * n * H * 3 * H
+    attn = 2 * 2 * int((lengths ** 2).sum()) * H      # Q K^T and P V over each sequence's own tokens
+    rest = lambda rows: 2 * rows * (H * H + 2 * H * I)  # noqa: E731  output projection + feed-forward
+    expected = nl * (qkv + attn) + (nl - 1) * rest(n) + rest(B) + 2 * B * H * H + 2 * B * H * 3  # + pooler, classifier
+    with torch.no_grad(), FlopCounterMode(display=False) as fc:
+        m(ids, mask, types)
+    assert fc.get_total_flops() == expected

@@ -82,9 +82,10 @@ class BertConfig:
 #
 # Token-wise work (embeddings, Q/K/V and output projections, feed-forward, LayerNorms, dropout) runs
 # on the n real tokens of a batch as one (n, H) matrix; attention runs per sequence; the (B, T, H)
-# sequence output is padded back once, for the heads. This is the unpadded layout of NVIDIA's and
-# MosaicBERT's BERTs (bert_padding.py): a batch of MRPC pads ~80 positions per sequence for ~52 real
-# tokens, so a third of a padded model's work is on padding.
+# sequence output is padded back once, for the heads (a head that reads a few positions gets those
+# alone, and the last layer does its token-wise work there only: BertEncoder). This is the unpadded
+# layout of NVIDIA's and MosaicBERT's BERTs (bert_padding.py): a batch of MRPC pads ~80 positions
+# per sequence for ~52 real tokens, so a third of a padded model's work is on padding.
 
 @dataclass
 class Tokens:
@@ -160,6 +161,16 @@ class Tokens:
         """(n,) position of every real token in its sequence (its column in the padded batch)."""
         flat = torch.arange(self.B * self.T, device=self.cu_seqlens.device)
         return (flat if self.index is None else self.index) % self.T
+
+    def rows_of(self, flat: torch.Tensor) -> torch.Tensor:
+        """(m,) flat positions b*T + t of real tokens in the padded batch -> their (m,) rows in the
+        unpadded (n, ...) layout: row = cu_seqlens[b] + t."""
+        b = torch.div(flat, self.T, rounding_mode="floor")
+        return self.cu_seqlens[:-1].to(torch.int64)[b] + flat % self.T
+
+    def first_rows(self) -> torch.Tensor:
+        """(B,) row of every sequence's first token ([CLS]) in the unpadded layout."""
+        return self.cu_seqlens[:-1].to(torch.int64)
 
 
 def drop_mask(shape: tuple[int, ...], p: float, device: torch.device) -> tuple[torch.Tensor, float]:
@@ -370,7 +381,12 @@ class BertIntermediate(nn.Module):
 
 
 class BertLayer(nn.Module):
-    """One encoder layer, (n, H) -> (n, H): the unit that gradient-checkpointing policies wrap."""
+    """One encoder layer, (n, H) -> (n, H): the unit that gradient-checkpointing policies wrap.
+
+    With `rows` (m,) the layer's output is computed at those rows only, (m, H): every token is
+    still attended to (keys and values of all n rows), but the attention output projection, its
+    LayerNorm and the feed-forward, 9 of the layer's 12 H^2 of matmul work per token, run on the
+    m rows a head reads. The encoder does this in its last layer (see BertEncoder)."""
 
     def __init__(self, c: BertConfig):
         super().__init__()
@@ -378,19 +394,30 @@ class BertLayer(nn.Module):
         self.intermediate = BertIntermediate(c)
         self.output = BertSelfOutput(c, c.intermediate_size)
 
-    def forward(self, x: torch.Tensor, tokens: Tokens) -> torch.Tensor:
-        a = self.attention(x, tokens)
+    def forward(self, x: torch.Tensor, tokens: Tokens, rows: torch.Tensor | None = None) -> torch.Tensor:
+        h = self.attention.self(x, tokens)  # (n, H)
+        if rows is not None:
+            h, x = h.index_select(0, rows), x.index_select(0, rows)
+        a = self.attention.output(h, x)
         return self.output(self.intermediate(a), a)
 
 
 class BertEncoder(nn.Module):
+    """The layers, (n, H) -> (n, H); with `rows`, the last layer's output at those rows only, (m, H).
+
+    A classifier reads the [CLS] row of the last layer and a masked-LM head its masked rows (15%),
+    so the last layer's output projection and feed-forward on every other token are work nobody
+    reads: MosaicBERT's and NVIDIA's BERTs skip it the same way (MosaicBERT's `subset_idx`). The
+    result at `rows` is the full encoder's, up to float rounding (tests/test_unpad.py)."""
+
     def __init__(self, c: BertConfig):
         super().__init__()
         self.layer = nn.ModuleList(BertLayer(c) for _ in range(c.num_hidden_layers))
 
-    def forward(self, x: torch.Tensor, tokens: Tokens) -> torch.Tensor:
-        for layer in self.layer:
-            x = layer(x, tokens)
+    def forward(self, x: torch.Tensor, tokens: Tokens, rows: torch.Tensor | None = None) -> torch.Tensor:
+        last = len(self.layer) - 1
+        for i, layer in enumerate(self.layer):
+            x = layer(x, tokens, rows) if (i == last and rows is not None) else layer(x, tokens)
         return x
 
 
@@ -399,8 +426,8 @@ class BertPooler(nn.Module):
         super().__init__()
         self.dense = nn.Linear(c.hidden_size, c.hidden_size)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.tanh(self.dense(x[:, 0]))  # (B, H) from the [CLS] position
+    def forward(self, cls: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.dense(cls))  # (B, H) [CLS] hidden states -> (B, H)
 
 
 class BertModel(nn.Module):
@@ -412,15 +439,27 @@ class BertModel(nn.Module):
         self.pooler = BertPooler(c)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                token_type_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                token_type_ids: torch.Tensor | None = None,
+                positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """input_ids (B, T), attention_mask (B, T) (1 = real token; None = nothing padded) or a Tokens ->
-        (sequence output (B, T, H), zeros at the padding; pooled output (B, H), None without a pooler)."""
+        (sequence output (B, T, H), zeros at the padding; pooled output (B, H), None without a pooler).
+
+        `positions` (m,): flat indices b*T + t of the real tokens a head reads; the sequence output
+        is then (m, H) at those positions only, and the last layer computes nothing else (the
+        pooled output still comes from [CLS]). An empty `positions` is a classifier's: the pooled
+        output alone."""
         if token_type_ids is None:
             token_type_ids = torch.zeros_like(input_ids)
         tokens = Tokens.of(attention_mask, *input_ids.shape, input_ids.device)
-        x = self.encoder(self.embeddings(input_ids, token_type_ids, tokens), tokens)  # (n, H)
-        seq = tokens.pad(x)
-        return seq, (self.pooler(seq) if self.pooler is not None else None)
+        x = self.embeddings(input_ids, token_type_ids, tokens)  # (n, H)
+        if positions is None:
+            seq = tokens.pad(self.encoder(x, tokens))
+            return seq, (self.pooler(seq[:, 0]) if self.pooler is not None else None)
+        rows = tokens.rows_of(positions)
+        if self.pooler is None:
+            return self.encoder(x, tokens, rows), None
+        x = self.encoder(x, tokens, torch.cat([tokens.first_rows(), rows]))  # (B + m, H)
+        return x[tokens.B:], self.pooler(x[:tokens.B])
 
 
 class BertHeadModel(nn.Module):
@@ -460,7 +499,8 @@ class BertForSequenceClassification(BertHeadModel):
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
         """-> logits (B, num_labels)."""
-        _, pooled = self.bert(input_ids, attention_mask, token_type_ids)
+        # The head reads [CLS] alone: the last layer runs on it only (BertEncoder).
+        _, pooled = self.bert(input_ids, attention_mask, token_type_ids, positions=input_ids.new_zeros(0))
         return self.classifier(self.dropout(pooled))
 
     def loss_sum(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -549,9 +589,8 @@ class BertForMaskedLM(BertHeadModel):
                 token_type_ids: torch.Tensor | None = None, mlm_positions: torch.Tensor | None = None):
         """-> logits (B, T, V) at every position, or (m, V) at `mlm_positions` (m,), flat indices
         b*T + t into the batch; BertForPreTraining adds the next-sentence logits (B, 2)."""
-        x, pooled = self.bert(input_ids, attention_mask, token_type_ids)  # (B, T, H)
-        if mlm_positions is not None:
-            x = x.reshape(-1, x.shape[-1]).index_select(0, mlm_positions)  # (m, H)
+        # With mlm_positions the last layer runs at those positions only (BertEncoder): x is (m, H).
+        x, pooled = self.bert(input_ids, attention_mask, token_type_ids, positions=mlm_positions)  # (B, T, H)
         logits = self.cls.predictions(x)
         if not self.nsp:
             return logits
@@ -564,7 +603,7 @@ class BertForPreTraining(BertForMaskedLM):
     nsp = True
 
 
-def flops_per_sequence(c: BertConfig, seq_len: int) -> float:
+def flops_per_sequence(c: BertConfig, seq_len: int, head_rows: float | None = None) -> float:
     """Training FLOPs of the encoder for one sequence: 3 * L * (8*s*h^2 + 4*s*h*I + 4*s^2*h),
     which is the familiar 3 * L * (24*s*h^2 + 4*s^2*h) when the feed-forward width I is 4h.
 
@@ -572,9 +611,21 @@ def flops_per_sequence(c: BertConfig, seq_len: int) -> float:
     feed-forward matmuls (2 h x I), and attention scores and values (2 * 2*s*h per token);
     backward = 2x forward. Source: the Megatron-LM paper (Narayanan et al. 2021, eq. 2) without
     the LM head, with I kept apart; cited in FIELD_NOTES.
-    """
-    L, h, s, i = c.num_hidden_layers, c.hidden_size, seq_len, c.intermediate_size
-    return 3.0 * L * (8.0 * s * h * h + 4.0 * s * h * i + 4.0 * s * s * h)
+
+    `head_rows`: positions the head reads (1 for a classifier's [CLS]); the last layer's output
+    projection and feed-forward run there only (BertEncoder), 3 * (s - head_rows) * (2h^2 + 4hI)
+    fewer FLOPs. None: every position (a span head)."""
+    return batch_flops(c, [seq_len], head_rows)
+
+
+def batch_flops(c: BertConfig, lengths, head_rows: float | None = None) -> float:
+    """Training FLOPs of the encoder for a batch of sequences of these real lengths (the encoder
+    computes on real tokens only), whose head reads `head_rows` positions in all (None: every one)."""
+    L, h, i = c.num_hidden_layers, c.hidden_size, c.intermediate_size
+    s = np.asarray(lengths, dtype=np.float64)
+    full = 3.0 * L * float((8.0 * s * h * h + 4.0 * s * h * i + 4.0 * s * s * h).sum())
+    skipped = 0.0 if head_rows is None else 3.0 * (float(s.sum()) - head_rows) * (2.0 * h * h + 4.0 * h * i)
+    return full - skipped
 
 
 # --- loading Hugging Face-format checkpoints ------------------------------------------------------

@@ -30,7 +30,7 @@ from . import plan as planner
 from .checkpoint import Checkpoint, CheckpointError, CheckpointManager
 from .config import RESUMABLE_CHANGES, RunConfig
 from .data.features import epoch_order, global_batches, shard
-from .model import flops_per_sequence, load_pretrained, load_state_dict_file, load_weights
+from .model import batch_flops, load_pretrained, load_state_dict_file, load_weights
 from .optim import make_optimizer
 from .runfiles import SCHEMA_VERSION, MetricsWriter, write_json_atomic, write_text_atomic
 from .stopping import REASONS, StopConditions
@@ -452,7 +452,8 @@ class Trainer:
             if weight:
                 real_tokens += batch.real_tokens
                 padded += B * T
-                flops += B * flops_per_sequence(self.raw.config, T)
+                lengths = batch.lengths if batch.lengths is not None else [T] * B
+                flops += batch_flops(self.raw.config, lengths, self.obj.head_rows(batch))
             # Gradients are all-reduced only on the last micro-batch of the step.
             sync = contextlib.nullcontext() if (not d.active or j == len(micro) - 1) else self.model.no_sync()
             with sync:

@@ -86,6 +86,9 @@ class SequenceClassification:
     def forward(self, model: nn.Module, batch: Batch) -> torch.Tensor:
         return model(batch.input_ids, batch.padding, batch.token_type_ids)  # (B, num_labels)
 
+    def head_rows(self, batch: Batch) -> int:
+        return len(batch)  # [CLS] of each sequence
+
     def loss(self, model: nn.Module, outputs: torch.Tensor, batch: Batch, norm: dict[str, float]) -> torch.Tensor:
         return model.loss_sum(outputs, batch.labels) / norm["examples"]
 

@@ -163,6 +163,10 @@ class MaskedLM:
     def forward(self, model: nn.Module, batch: Batch):
         return model(batch.input_ids, batch.padding, batch.token_type_ids, batch.labels["mlm_positions"])
 
+    def head_rows(self, batch: Batch) -> int:
+        # the masked tokens, and [CLS] for next-sentence prediction
+        return len(batch.labels["mlm_positions"]) + (len(batch) if self.cfg.nsp else 0)
+
     def loss(self, model: nn.Module, outputs, batch: Batch, norm: dict[str, float]) -> torch.Tensor:
         logits, nsp_logits = outputs if self.cfg.nsp else (outputs, None)
         loss = F.cross_entropy(logits.float(), batch.labels["mlm_labels"], reduction="sum") / max(norm["masked"], 1.0)

@@ -192,6 +192,9 @@ class QuestionAnswering:
     def forward(self, model: nn.Module, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         return model(batch.input_ids, batch.padding, batch.token_type_ids)  # 2 x (B, T)
 
+    def head_rows(self, batch: Batch) -> None:
+        return None  # start and end logits at every token
+
     @staticmethod
     def _masked(outputs: tuple[torch.Tensor, torch.Tensor], batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         """fp32 start/end logits with padded positions at NEG (out of the softmax)."""

@@ -75,7 +75,7 @@ COLUMN_DOCS = {
     "seq_in_budget": "sequences of those steps",
     "act_MiB_per_seq": "activation memory saved for backward per sequence at max_seq_length (MiB)",
     "peak_mem_GiB": "peak memory (GiB; kind in the caption)",
-    "mfu_pct": "model FLOPs utilisation, % of the device's peak at the precision used",
+    "mfu_pct": "model FLOPs utilisation (FLOPs of the real tokens' computation), % of the device's peak at the precision used",
     "final_loss": "mean training loss over the last logged window",
     "speedup": "seq_per_s / the baseline's seq_per_s",
     "scaling_eff": "speedup / (world_size / the baseline's world_size), where world sizes differ",
