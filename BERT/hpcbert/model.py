@@ -165,8 +165,7 @@ class Tokens:
     def rows_of(self, flat: torch.Tensor) -> torch.Tensor:
         """(m,) flat positions b*T + t of real tokens in the padded batch -> their (m,) rows in the
         unpadded (n, ...) layout: row = cu_seqlens[b] + t."""
-        b = torch.div(flat, self.T, rounding_mode="floor")
-        return self.cu_seqlens[:-1].to(torch.int64)[b] + flat % self.T
+        return self.first_rows()[torch.div(flat, self.T, rounding_mode="floor")] + flat % self.T
 
     def first_rows(self) -> torch.Tensor:
         """(B,) row of every sequence's first token ([CLS]) in the unpadded layout."""
@@ -365,8 +364,12 @@ class BertAttention(nn.Module):
         self.self = BertSelfAttention(c)
         self.output = BertSelfOutput(c, c.hidden_size)
 
-    def forward(self, x: torch.Tensor, tokens: Tokens) -> torch.Tensor:
-        return self.output(self.self(x, tokens), x)
+    def forward(self, x: torch.Tensor, tokens: Tokens, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """(n, H) -> (n, H); with `rows`, attention over every token, output at `rows` only, (m, H)."""
+        h = self.self(x, tokens)
+        if rows is not None:
+            h, x = h.index_select(0, rows), x.index_select(0, rows)
+        return self.output(h, x)
 
 
 class BertIntermediate(nn.Module):
@@ -395,10 +398,7 @@ class BertLayer(nn.Module):
         self.output = BertSelfOutput(c, c.intermediate_size)
 
     def forward(self, x: torch.Tensor, tokens: Tokens, rows: torch.Tensor | None = None) -> torch.Tensor:
-        h = self.attention.self(x, tokens)  # (n, H)
-        if rows is not None:
-            h, x = h.index_select(0, rows), x.index_select(0, rows)
-        a = self.attention.output(h, x)
+        a = self.attention(x, tokens, rows)
         return self.output(self.intermediate(a), a)
 
 
@@ -590,7 +590,7 @@ class BertForMaskedLM(BertHeadModel):
         """-> logits (B, T, V) at every position, or (m, V) at `mlm_positions` (m,), flat indices
         b*T + t into the batch; BertForPreTraining adds the next-sentence logits (B, 2)."""
         # With mlm_positions the last layer runs at those positions only (BertEncoder): x is (m, H).
-        x, pooled = self.bert(input_ids, attention_mask, token_type_ids, positions=mlm_positions)  # (B, T, H)
+        x, pooled = self.bert(input_ids, attention_mask, token_type_ids, positions=mlm_positions)
         logits = self.cls.predictions(x)
         if not self.nsp:
             return logits
