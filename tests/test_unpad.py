@@ -11,7 +11,7 @@ import torch
 
 from hpcbert import policies
 from hpcbert.meters import activation_bytes_per_sequence
-from hpcbert.model import (BertConfig, BertForSequenceClassification, Tokens, _CpuAttention, drop_mask,
+from hpcbert.model import (BertConfig, BertForSequenceClassification, Tokens, _CpuAttention, keep_mask,
                            hf_state_dict, load_pretrained, padded_attention, split_qkv)
 
 TINY = dict(vocab_size=500, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, intermediate_size=128,
@@ -131,7 +131,7 @@ def test_ddp_two_ranks_give_the_padded_models_gradient(tmp_path):
 
 
 def test_cpu_attention_backward_with_dropout_is_the_derivative():
-    """Finite differences (fp64) through the kernel that draws its dropout masks again in backward."""
+    """Finite differences (fp64) through the kernel with attention dropout (its mask kept for backward)."""
     g = torch.Generator().manual_seed(1)
     lengths = [5, 5, 3, 7]
     n, H, N = sum(lengths), 8, 2
@@ -155,15 +155,38 @@ def test_cpu_attention_equals_padded_sdpa_without_dropout():
     assert (ours - padded_attention(qkv, tokens, 4, 0.0).reshape_as(ours)).abs().max() <= 1e-12
 
 
-def test_drop_mask_rate_and_scale_keep_the_expectation():
+def test_keep_mask_rate_and_scale_keep_the_expectation():
     torch.manual_seed(0)
-    mask, scale = drop_mask((1000, 1000), 0.1, torch.device("cpu"))
+    keep, scale = keep_mask((1000, 1000), 0.1, torch.device("cpu"))
     p = round(0.1 * 65536) / 65536  # p rounded to 1/65536
     assert scale == pytest.approx(1 / (1 - p), rel=1e-12)
+    assert keep.dtype == torch.uint8 and set(keep.unique().tolist()) == {0, 1}
+    drop = 1 - keep.float()
     sigma = (p * (1 - p) / 1e6) ** 0.5
-    assert abs(mask.float().mean().item() - p) < 5 * sigma
+    assert abs(drop.mean().item() - p) < 5 * sigma
     for lane in range(4):  # each 16-bit lane of a 64-bit draw is uniform on its own
-        assert abs(mask.view(-1, 4)[:, lane].float().mean().item() - p) < 5 * 2 * sigma
+        assert abs(drop.view(-1, 4)[:, lane].mean().item() - p) < 5 * 2 * sigma
+
+
+def test_cpu_dropout_backward_is_the_derivative_and_keeps_the_expectation():
+    from hpcbert.model import dropout
+
+    x = torch.randn(64, 32, dtype=torch.float64, requires_grad=True)
+
+    def f(t):
+        torch.manual_seed(3)  # the same mask on every call
+        return dropout(t, 0.25, True)
+
+    assert torch.autograd.gradcheck(f, (x,), eps=1e-6, atol=1e-7)
+    y = f(x)
+    dropped = y == 0
+    assert 0 < dropped.float().mean() < 0.5
+    # kept entries scaled by 1 / P(keep) of the rounded p; dropped ones zero
+    scale = 65536 / (65536 - round(0.25 * 65536))
+    torch.testing.assert_close(y[~dropped], x[~dropped] * scale, rtol=1e-15, atol=0)
+    ones = torch.ones(1000, 1000)
+    torch.manual_seed(0)
+    assert dropout(ones, 0.1, True).mean().item() == pytest.approx(1.0, abs=5 * (0.1 / 0.9 / 1e6) ** 0.5)
 
 
 def test_padding_costs_no_token_wise_work():

@@ -172,88 +172,117 @@ class Tokens:
         return self.cu_seqlens[:-1].to(torch.int64)
 
 
-def drop_mask(shape: tuple[int, ...], p: float, device: torch.device) -> tuple[torch.Tensor, float]:
-    """A dropout mask (True = drop) with P(drop) = p rounded to 1/65536, and the scale 1 / P(keep)
-    of that rounded p, so the expectation is kept exactly. Four 16-bit uniforms per 64-bit draw of
-    the generator: on CPU about 10x faster than the bernoulli_ behind F.dropout (measured 110 M
-    elements/s against ~1000 on this project's 2-core EPYC), which drew half the time of a forward."""
+def keep_mask(shape: tuple[int, ...], p: float, device: torch.device) -> tuple[torch.Tensor, float]:
+    """A dropout keep-mask, uint8 (1 = kept; `.view(torch.bool)` reads it as a bool mask), with
+    P(drop) = p rounded to 1/65536, and the scale 1 / P(keep) of that rounded p, so the expectation
+    is kept exactly. Four 16-bit uniforms per 64-bit draw of the generator: on CPU about 10x faster
+    than the bernoulli_ behind F.dropout (measured 110 M elements/s against ~1000 on this project's
+    2-core EPYC), which drew half the time of a forward. The comparison writes uint8 (~4x faster
+    than a bool result on that CPU)."""
     n = math.prod(shape)
     r = torch.randint(-2**63, 2**63 - 1, ((n + 3) // 4,), dtype=torch.int64, device=device)
     drops = round(p * 65536)  # of the 65536 values of an int16, this many drop
-    return r.view(torch.int16)[:n].view(shape) < drops - 32768, 65536 / (65536 - drops)
+    keep = torch.empty(shape, dtype=torch.uint8, device=device)
+    torch.ge(r.view(torch.int16)[:n].view(shape), drops - 32768, out=keep)
+    return keep, 65536 / (65536 - drops)
+
+
+class _Dropout(torch.autograd.Function):
+    """CPU dropout with `keep_mask`; saves the uint8 mask (1 byte per element). Applied as a
+    multiplication by the mask converted to x's dtype: masked_fill with a bool mask measured ~5x
+    slower on this CPU."""
+
+    @staticmethod
+    def forward(ctx, x, p):
+        keep, scale = keep_mask(tuple(x.shape), p, x.device)
+        ctx.save_for_backward(keep)
+        ctx.scale = scale
+        return x * keep.to(x.dtype).mul_(scale)
+
+    @staticmethod
+    def backward(ctx, g):
+        keep, = ctx.saved_tensors
+        return g * keep.to(g.dtype).mul_(ctx.scale), None
 
 
 def dropout(x: torch.Tensor, p: float, training: bool) -> torch.Tensor:
-    """Dropout; on CPU with `drop_mask` (autograd saves the bool mask, 1 byte per element)."""
+    """Dropout; on CPU with `keep_mask` (autograd saves the uint8 mask, 1 byte per element)."""
     if not training or p == 0.0:
         return x
     if x.device.type != "cpu":
         return F.dropout(x, p, True)
-    mask, scale = drop_mask(tuple(x.shape), p, x.device)
-    return x.masked_fill(mask, 0.0).mul_(scale)
+    return _Dropout.apply(x, p)
 
 
 class _CpuAttention(torch.autograd.Function):
     """Softmax attention per run of equal-length sequences, with attention dropout, on (n, 3H)
-    fused Q/K/V rows. Saves Q/K/V (the projection's output) and the probabilities P, not the
-    dropped probabilities nor the mask: the masks are drawn again in backward from the saved
-    generator state (as flash attention does with its Philox offset). PyTorch's CPU SDPA takes no
+    fused Q/K/V rows. Saves Q/K/V (the projection's output), the probabilities P and the dropout
+    keep-mask (uint8, a quarter of P's bytes), not the dropped probabilities. Flash attention draws
+    its mask again in backward from a counter-based generator at no cost; a CPU generator pays a
+    draw per element (measured ~4% of a SQuAD step when drawn twice), so the mask is kept, and the
+    checkpointing policies are where memory is traded for time. PyTorch's CPU SDPA takes no
     dropout in its flash kernel, so its math path would draw a (B, N, T, T) bernoulli mask and
     save it with P and the dropped P.
 
-    Per group (nb sequences of length L): S = Q K^T / sqrt(D); P = softmax(S); A = P * M (M: mask
-    and 1/keep scale); O = A V. Backward: dV = A^T dO; dP = (dO V^T) * M;
-    dS = P * (dP - rowsum(dP * P)); dQ = dS K / sqrt(D); dK = dS^T Q / sqrt(D)."""
+    Per group (nb sequences of length L): S = (Q / sqrt(D)) K^T; P = softmax(S); A = P * K01 (the
+    0/1 keep mask); O = s (A V) (s = 1 / P(keep)). Backward: dV = s A^T dO; dP = (s dO V^T) * K01;
+    dS = P * (dP - rowsum(dP * P)) (PyTorch's fused softmax backward); dQ = dS K / sqrt(D);
+    dK = dS^T Q / sqrt(D). Every scale is applied to an (L, D) operand or result, never to an
+    (L, L) one: on a CPU the element-wise passes over the (L, L) tensors are what this costs
+    beyond its matmuls."""
 
     @staticmethod
     def forward(ctx, qkv, groups, n_head, p):
         n, H3 = qkv.shape
         H = H3 // 3
         D = H // n_head
-        ctx.rng = torch.get_rng_state() if p else None
         out = qkv.new_empty(n, H)
-        probs = []
+        saved, scale = [], 1.0
         with torch.autocast("cpu", enabled=False):  # in qkv's dtype; the softmax accumulates in fp32
             for r0, nb, L in groups:
                 q, k, v = _heads(qkv[r0:r0 + nb * L], nb, L, n_head, D)    # 3 x (nb, N, L, D)
-                S = q @ k.transpose(-1, -2) * D ** -0.5                     # (nb, N, L, L)
+                S = (q * D ** -0.5) @ k.transpose(-1, -2)                   # (nb, N, L, L)
                 P = torch.softmax(S, -1, dtype=torch.promote_types(S.dtype, torch.float32)).to(S.dtype)
-                probs.append(P)
-                A = P
                 if p:
-                    mask, scale = drop_mask(tuple(P.shape), p, P.device)
-                    A = P.masked_fill(mask, 0.0).mul_(scale)
-                out[r0:r0 + nb * L] = (A @ v).transpose(1, 2).reshape(nb * L, H)
-        ctx.save_for_backward(qkv, *probs)
-        ctx.groups, ctx.n_head, ctx.p = groups, n_head, p
+                    keep, scale = keep_mask(tuple(P.shape), p, P.device)
+                    saved += [P, keep]
+                    # out of place: selective checkpointing keeps this bmm's output and hands the
+                    # same tensor back in the recomputation, where an in-place scale would apply twice
+                    o = ((P * keep.to(P.dtype)) @ v) * scale
+                else:
+                    saved.append(P)
+                    o = P @ v
+                out[r0:r0 + nb * L] = o.transpose(1, 2).reshape(nb * L, H)
+        ctx.save_for_backward(qkv, *saved)
+        ctx.groups, ctx.n_head, ctx.p, ctx.scale = groups, n_head, p, scale
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        qkv, *probs = ctx.saved_tensors
+        qkv, *saved = ctx.saved_tensors
         n, H3 = qkv.shape
         H = H3 // 3
         N, p = ctx.n_head, ctx.p
         D = H // N
         dqkv = qkv.new_empty(n, H3)
-        with torch.random.fork_rng(devices=[], enabled=bool(p)):
+        per_group = 2 if p else 1
+        for i, (r0, nb, L) in enumerate(ctx.groups):
+            P = saved[i * per_group]
+            rows = slice(r0, r0 + nb * L)
+            q, k, v = _heads(qkv[rows], nb, L, N, D)
+            dO = dout[rows].view(nb, L, N, D).transpose(1, 2)           # (nb, N, L, D)
+            g = dqkv[rows].view(nb, L, 3, N, D)
             if p:
-                torch.set_rng_state(ctx.rng)  # the forward's masks, drawn again in the same order
-            for (r0, nb, L), P in zip(ctx.groups, probs):
-                rows = slice(r0, r0 + nb * L)
-                q, k, v = _heads(qkv[rows], nb, L, N, D)
-                dO = dout[rows].view(nb, L, N, D).transpose(1, 2)       # (nb, N, L, D)
-                dP = dO @ v.transpose(-1, -2)                           # (nb, N, L, L)
-                A = P
-                if p:
-                    mask, scale = drop_mask(tuple(P.shape), p, P.device)
-                    A = P.masked_fill(mask, 0.0).mul_(scale)
-                    dP.masked_fill_(mask, 0.0).mul_(scale)
-                dS = dP.sub_((dP * P).sum(-1, keepdim=True)).mul_(P)    # softmax backward
-                g = dqkv[rows].view(nb, L, 3, N, D)
-                g[:, :, 0] = (dS @ k).transpose(1, 2) * D ** -0.5
-                g[:, :, 1] = (dS.transpose(-1, -2) @ q).transpose(1, 2) * D ** -0.5
-                g[:, :, 2] = (A.transpose(-1, -2) @ dO).transpose(1, 2)
+                keep = saved[i * per_group + 1].to(P.dtype)
+                dO = dO * ctx.scale
+                dP = (dO @ v.transpose(-1, -2)).mul_(keep)              # (nb, N, L, L)
+                g[:, :, 2] = ((P * keep).transpose(-1, -2) @ dO).transpose(1, 2)
+            else:
+                dP = dO @ v.transpose(-1, -2)
+                g[:, :, 2] = (P.transpose(-1, -2) @ dO).transpose(1, 2)
+            dS = torch.ops.aten._softmax_backward_data(dP, P, -1, P.dtype)
+            g[:, :, 0] = (dS @ k).transpose(1, 2) * D ** -0.5
+            g[:, :, 1] = (dS.transpose(-1, -2) @ q).transpose(1, 2) * D ** -0.5
         return dqkv, None, None, None
 
 
