@@ -488,6 +488,8 @@ def _benchmark_script(name: str):
     ("compare_hf_chinese", "chinese", "python benchmarks/compare_hf_chinese.py render"),
     ("pareto", "pareto", "python benchmarks/pareto.py --render"),
     ("bench_pretrain", "pretrain", "python benchmarks/bench_pretrain.py render"),
+    ("bench_head_rows", "head_rows", "python benchmarks/bench_head_rows.py --render"),
+    ("bench_model_ab", "model_ab", "python benchmarks/bench_model_ab.py --render"),
 ])
 def test_benchmark_readme_is_fresh(script, folder, command):
     """The benchmark scripts' READMEs are what their generators write from the committed JSON."""

@@ -1,0 +1,162 @@
+"""A change to the model file, measured: this checkout's BERT/hpcbert/model.py against the one of
+an earlier commit, training on the same batches in one process.
+
+    python benchmarks/bench_model_ab.py --rev 11f30cc~1 [--steps 30] [--out results/model_ab]
+    python benchmarks/bench_model_ab.py --render      # README.md again from the JSON, nothing measured
+
+The earlier model file is read with `git show REV:BERT/hpcbert/model.py` and imported beside the
+current one (the model file imports nothing of hpcbert's). Both models get the same weights
+(minilm-l6 shape, random, the current model's state_dict loaded into the earlier one), dropout on,
+fp32, AdamW (fused). Three workloads, the lengths hpcbert's length-grouped sampler gives each task
+on minilm-l6's vocabulary: SST-2 (classifier, batch 32, lengths 10-20, within 2 of each other),
+MRPC (classifier, batch 32, lengths 40-60, within 2) and SQuAD v1.1 (span head, batch 16, windows
+of 140-200 tokens, within 7). Each batch runs a whole training step (forward, backward, optimizer)
+on both models in alternating order, so machine noise hits both alike; the figure is the median
+over batches of earlier / current step time within a batch, beside each side's median step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "BERT"))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from hpcbert import meters, model as current, zoo  # noqa: E402
+
+# name: (head, batch, lowest and highest first length, spread within a batch)
+WORKLOADS = {"sst-2": ("classifier", 32, (10, 20), 2), "mrpc": ("classifier", 32, (40, 60), 2),
+             "squad": ("span", 16, (140, 200), 7)}
+
+
+def load_model_file(rev: str, tmp: Path):
+    src = subprocess.run(["git", "show", f"{rev}:BERT/hpcbert/model.py"], cwd=ROOT, check=True,
+                         capture_output=True, text=True).stdout
+    path = tmp / "model_earlier.py"
+    path.write_text(src)
+    spec = importlib.util.spec_from_file_location("model_earlier", path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["model_earlier"] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def measure(earlier, workload: str, steps: int, threads: int) -> dict:
+    head, B, (lo, hi), spread = WORKLOADS[workload]
+    cfg = {**zoo.resolve("minilm-l6").config.to_dict(), "num_labels": 2}
+    sides = {}
+    for name, mod in (("current", current), ("earlier", earlier)):
+        torch.manual_seed(0)
+        cls = mod.BertForSequenceClassification if head == "classifier" else mod.BertForQuestionAnswering
+        sides[name] = cls(mod.BertConfig(**cfg)).train()
+    sides["earlier"].load_state_dict(sides["current"].state_dict())
+    opts = {k: torch.optim.AdamW(m.parameters(), lr=1e-5, fused=True) for k, m in sides.items()}
+    mods = {"current": current, "earlier": earlier}
+    rng = np.random.default_rng(0)
+
+    def batch():
+        first = int(rng.integers(lo, hi))
+        lengths = np.sort(rng.integers(first, first + spread + 1, B))[::-1].copy()
+        T = int(lengths.max())
+        mask = torch.arange(T)[None] < torch.from_numpy(lengths)[:, None]
+        ids = torch.randint(1000, 20000, (B, T)) * mask
+        return ids, mask, torch.zeros_like(ids), lengths
+
+    def step(b, side: str) -> float:
+        ids, mask, types, lengths = b
+        m = sides[side]
+        t0 = time.perf_counter()
+        tokens = mods[side].Tokens.from_lengths(lengths, mask, ids.device)
+        if head == "classifier":
+            loss = torch.nn.functional.cross_entropy(m(ids, tokens, types), torch.zeros(B, dtype=torch.long))
+        else:
+            start, end = m(ids, tokens, types)
+            target = torch.zeros(B, dtype=torch.long)
+            loss = torch.nn.functional.cross_entropy(start, target) + torch.nn.functional.cross_entropy(end, target + 1)
+        loss.backward()
+        opts[side].step()
+        opts[side].zero_grad(set_to_none=True)
+        return time.perf_counter() - t0
+
+    batches = [batch() for _ in range(steps + 3)]
+    for b in batches[:3]:  # warm-up, both
+        step(b, "current"), step(b, "earlier")
+    t = {"current": [], "earlier": []}
+    for i, b in enumerate(batches[3:]):
+        for side in (("current", "earlier") if i % 2 else ("earlier", "current")):
+            t[side].append(step(b, side))
+    ratios = [e / c for e, c in zip(t["earlier"], t["current"])]
+    return {"workload": workload, "head": head, "batch_size": B, "first_lengths": [lo, hi], "spread": spread,
+            "steps": steps, "current_step_s": statistics.median(t["current"]),
+            "earlier_step_s": statistics.median(t["earlier"]), "speedup_median": statistics.median(ratios),
+            "threads": threads}
+
+
+def render_readme(out: Path) -> str:
+    doc = json.loads((out / "bench_model_ab.json").read_text())
+    lines = ["# The model file against an earlier commit's", "",
+             "Generated by `python benchmarks/bench_model_ab.py --render` from `bench_model_ab.json`.", "",
+             f"Current: commit {doc['current']}; earlier: {doc['rev']} (commit {doc['earlier']}). minilm-l6 shape, "
+             "random weights (the same on both), dropout, fp32, fused AdamW; every batch trains both models, "
+             "alternating; speed-up = median over batches of earlier / current step time.", "",
+             f"Measured {doc['date']} on {doc['machine']}; command: `{doc['command'].strip()}`", "",
+             "| workload | head | batch | lengths | current step (ms) | earlier step (ms) | speed-up |",
+             "|---|---|---|---|---|---|---|"]
+    for r in doc["rows"]:
+        lo, hi = r["first_lengths"]
+        lines.append(f"| {r['workload']} | {r['head']} | {r['batch_size']} | {lo}-{hi - 1 + r['spread']} | "
+                     f"{1e3 * r['current_step_s']:.1f} | {1e3 * r['earlier_step_s']:.1f} | **{r['speedup_median']:.3f}x** |")
+    return "\n".join(lines) + "\n"
+
+
+def git_commit(rev: str) -> str:
+    return subprocess.run(["git", "rev-parse", "--short=7", rev], cwd=ROOT, check=True, capture_output=True,
+                          text=True).stdout.strip()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rev", help="the earlier commit (any git revision)")
+    p.add_argument("--workloads", default=",".join(WORKLOADS), help="(default: %(default)s)")
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--threads", type=int, default=os.cpu_count())
+    p.add_argument("--out", default=str(ROOT / "results" / "model_ab"))
+    p.add_argument("--render", action="store_true")
+    a = p.parse_args(argv)
+    out = Path(a.out)
+    if not a.render:
+        if not a.rev:
+            p.error("--rev is required unless --render")
+        torch.set_num_threads(a.threads)
+        with tempfile.TemporaryDirectory() as tmp:
+            earlier = load_model_file(a.rev, Path(tmp))
+            rows = [measure(earlier, w, a.steps, a.threads) for w in a.workloads.split(",")]
+        dirty = subprocess.run(["git", "status", "--porcelain", "BERT/hpcbert/model.py"], cwd=ROOT,
+                               capture_output=True, text=True).stdout.strip()
+        out.mkdir(parents=True, exist_ok=True)
+        doc = {"command": ("python benchmarks/bench_model_ab.py " + shlex.join(sys.argv[1:] if argv is None else argv)).strip(),
+               "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+               "machine": f"{meters.cpu_name()}, {os.cpu_count()} cores, {a.threads} threads, torch {torch.__version__}",
+               "rev": a.rev, "earlier": git_commit(a.rev), "current": git_commit("HEAD") + (" + uncommitted model.py" if dirty else ""),
+               "rows": rows}
+        (out / "bench_model_ab.json").write_text(json.dumps(doc, indent=1) + "\n")
+    (out / "README.md").write_text(render_readme(out))
+    print((out / "README.md").read_text())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
