@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shlex
 import statistics
 import sys
 import time
@@ -26,11 +25,13 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "BERT"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from hpcbert import meters, zoo  # noqa: E402
+import _small_bench  # noqa: E402
+from hpcbert import zoo  # noqa: E402
 from hpcbert.model import BertConfig, BertForSequenceClassification, Tokens  # noqa: E402
 
 BATCH = 32
@@ -105,14 +106,8 @@ def main(argv: list[str] | None = None) -> int:
     if not a.render:
         torch.set_num_threads(a.threads)
         rows = [measure(a.model, int(s), a.steps, a.threads) for s in a.lengths.split(",")]
-        out.mkdir(parents=True, exist_ok=True)
-        doc = {"command": ("python benchmarks/bench_head_rows.py " + shlex.join(sys.argv[1:] if argv is None else argv)).strip(),
-               "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-               "machine": f"{meters.cpu_name()}, {os.cpu_count()} cores, {a.threads} threads, torch {torch.__version__}",
-               "rows": rows}
-        (out / "bench_head_rows.json").write_text(json.dumps(doc, indent=1) + "\n")
-    (out / "README.md").write_text(render_readme(out))
-    print((out / "README.md").read_text())
+        _small_bench.write(out, "bench_head_rows", argv, a.threads, rows)
+    _small_bench.write_readme(out, render_readme)
     return 0
 
 

@@ -21,7 +21,6 @@ import argparse
 import importlib.util
 import json
 import os
-import shlex
 import statistics
 import subprocess
 import sys
@@ -31,11 +30,13 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "BERT"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from hpcbert import meters, model as current, zoo  # noqa: E402
+import _small_bench  # noqa: E402
+from hpcbert import model as current, zoo  # noqa: E402
 
 # name: (head, batch, lowest and highest first length, spread within a batch)
 WORKLOADS = {"sst-2": ("classifier", 32, (10, 20), 2), "mrpc": ("classifier", 32, (40, 60), 2),
@@ -146,15 +147,9 @@ def main(argv: list[str] | None = None) -> int:
             rows = [measure(earlier, w, a.steps, a.threads) for w in a.workloads.split(",")]
         dirty = subprocess.run(["git", "status", "--porcelain", "BERT/hpcbert/model.py"], cwd=ROOT,
                                capture_output=True, text=True).stdout.strip()
-        out.mkdir(parents=True, exist_ok=True)
-        doc = {"command": ("python benchmarks/bench_model_ab.py " + shlex.join(sys.argv[1:] if argv is None else argv)).strip(),
-               "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-               "machine": f"{meters.cpu_name()}, {os.cpu_count()} cores, {a.threads} threads, torch {torch.__version__}",
-               "rev": a.rev, "earlier": git_commit(a.rev), "current": git_commit("HEAD") + (" + uncommitted model.py" if dirty else ""),
-               "rows": rows}
-        (out / "bench_model_ab.json").write_text(json.dumps(doc, indent=1) + "\n")
-    (out / "README.md").write_text(render_readme(out))
-    print((out / "README.md").read_text())
+        _small_bench.write(out, "bench_model_ab", argv, a.threads, rows, rev=a.rev, earlier=git_commit(a.rev),
+                           current=git_commit("HEAD") + (" + uncommitted model.py" if dirty else ""))
+    _small_bench.write_readme(out, render_readme)
     return 0
 
 

@@ -1,0 +1,31 @@
+"""What the small one-process benchmark scripts (bench_head_rows.py, bench_model_ab.py) share: the
+JSON they write (the command that made it, date, machine, rows) and the README generated from it."""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from hpcbert import meters
+
+
+def write(out: Path, name: str, argv: list[str] | None, threads: int, rows: list[dict], **extra) -> None:
+    """out/NAME.json: the command as typed (argv, or sys.argv's), date, machine, `extra`, rows."""
+    out.mkdir(parents=True, exist_ok=True)
+    doc = {"command": (f"python benchmarks/{name}.py " + shlex.join(sys.argv[1:] if argv is None else argv)).strip(),
+           "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+           "machine": f"{meters.cpu_name()}, {os.cpu_count()} cores, {threads} threads, torch {torch.__version__}",
+           **extra, "rows": rows}
+    (out / f"{name}.json").write_text(json.dumps(doc, indent=1) + "\n")
+
+
+def write_readme(out: Path, render_readme: Callable[[Path], str]) -> None:
+    (out / "README.md").write_text(render_readme(out))
+    print((out / "README.md").read_text())
