@@ -30,7 +30,10 @@ def train_args(files: dict, kind: str, model_dir, out, *extra) -> list[str]:
     _, text_fields, label = FORMATS[kind]
     args = ["train", "--task", "classify", "--train-file", files["train"], "--text-fields", text_fields,
             "--label-field", label, "--model", model_dir, "--max-seq-length", MAX_LEN, "--batch-size", 8,
-            "--lr", "1e-3", "--threads", 1, "--log-every", 1, "--out", out, *extra]
+            "--lr", "1e-3", "--threads", 1, "--log-every", 1, "--out", out,
+            # fp32: the run's figures are recomputed with transformers in fp32 (`auto` is bf16 on a CPU
+            # with native bf16, and a random model's near-constant outputs then score differently).
+            "--precision", "fp32", *extra]
     if kind == "regression":
         args.append("--regression")
     return [str(a) for a in args]

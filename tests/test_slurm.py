@@ -7,6 +7,7 @@ job checks the walltime contract: Slurm's USR1 reaches the batch shell and becom
 
 from __future__ import annotations
 
+import math
 import re
 import subprocess
 import sys
@@ -223,11 +224,12 @@ def test_walltime_stop_then_resubmit_finishes_equal_to_an_uninterrupted_run(slur
     """A 1-minute walltime job that needs longer stops itself at the job deadline (walltime - margin)
     with a complete checkpoint and exit 0; submitting the same command again resumes and finishes; the
     result equals an uninterrupted run of the same options (every loss, the final parameters)."""
-    # Enough steps that one job cannot finish them before its deadline (about 13 s of training: 93
-    # steps at the fastest 0.14 s/step seen) nor take many jobs on a slow one (0.3 s/step: 3 jobs).
-    n_steps = 125
+    # Enough steps that one job cannot finish them before its deadline (about 13 s of training: ~210
+    # steps at the fastest 0.06 s/step seen, an AVX-512 host; 93 at 0.14 s/step on an older one). A slow
+    # host needs more jobs; the loop below allows as many as the first job's pace asks for.
+    n_steps = 400
     train = ["--model", "bert-tiny", "--task", "synthetic", "--max-steps", str(n_steps), "--batch-size", "32",
-             "--threads", "1", "--log-every", "1", "--checkpoint-steps", "25", "--no-do-eval"]
+             "--threads", "1", "--log-every", "1", "--checkpoint-steps", "25", "--no-do-eval", "--precision", "fp32"]
     run_dir = tmp_path / "run"
     cmd = ["--scheduler", "slurm", "--nodes", "1", "--gpus-per-node", "0", "--procs-per-node", "2",
            "--cpus-per-node", "2", "--walltime", "00:01:00", "--stop-margin", "40", "--out-script", "job.sbatch",
@@ -239,9 +241,9 @@ def test_walltime_stop_then_resubmit_finishes_equal_to_an_uninterrupted_run(slur
     assert s["stopped_by"] == "job_deadline" and 0 < s["steps"] < n_steps, s["stopped_by"]
     assert CheckpointManager(run_dir / "checkpoints").latest().step == s["steps"]
 
-    # The same command again, until the run is done (2 to 4 jobs; the bound only keeps a stuck run
-    # from looping).
-    for _ in range(8):
+    # The same command again, until the run is done: as many jobs as the first one's pace asks for,
+    # twice over (a resumed job also loads a checkpoint); the bound only keeps a stuck run from looping.
+    for _ in range(2 * math.ceil((n_steps - s["steps"]) / s["steps"]) + 1):
         previous = s["steps"]
         job = submit(cmd, job_env, tmp_path)
         info = slurm_cluster.wait(job, timeout=120)
