@@ -618,7 +618,7 @@ def cmd_throughput(a) -> int:
                 "matched_precision_reason": why, "seed": SEED, "data_dir": a.data_dir,
                 "lr_warmup_steps": warmup_steps(steps), "wait_quiet_s": a.wait_quiet, "noisy_cores": a.noisy,
                 "retries": a.retries}
-    path = results / f"throughput-{a.task}.json"
+    path = results / throughput_file(a.task, matched)
     doc = header("throughput", a.threads)
     doc["runs"] = []
     if path.is_file():  # resume: runs of the same settings and hpcbert commit are kept, the rest run
@@ -660,6 +660,18 @@ def cmd_throughput(a) -> int:
     write_json(path, doc)
     print(render_throughput(doc))
     return 0
+
+
+def throughput_file(task: str, matched: str) -> str:
+    """throughput-TASK.json (fp32, the name from before a bf16 host measured it) or throughput-TASK-bf16.json:
+    each precision keeps its own file, so measuring one does not replace the other."""
+    return f"throughput-{task}.json" if matched == "fp32" else f"throughput-{task}-{matched}.json"
+
+
+def throughput_title(path: Path) -> str:
+    rest = path.stem.split("-", 1)[1]
+    task, prec = (rest[:-len("-bf16")], "bf16") if rest.endswith("-bf16") else (rest, "fp32")
+    return f"Throughput, {task.upper()}, {prec}"
 
 
 def throughput_summary(doc: dict) -> list[dict]:
@@ -1193,7 +1205,7 @@ def render_readme(results: Path) -> str:
     """results/compare_hf/README.md from the JSON files in `results`; nothing measured here, so
     rendering again gives the same text (tests/test_report.py::test_benchmark_readme_is_fresh)."""
     results = Path(results)
-    sections = [(f"Throughput, {p.stem.split('-', 1)[1].upper()}", p.name, render_throughput)
+    sections = [(throughput_title(p), p.name, render_throughput)
                 for p in sorted(results.glob("throughput-*.json"))] or [("Throughput", "throughput-mrpc.json",
                                                                           render_throughput)]
     sections += [("Accuracy" + ("" if p.stem == "accuracy" else f" ({p.stem.split('-', 1)[1]})"), p.name,
@@ -1263,7 +1275,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="precision of the 'matched' comparison (default: bf16 where the device has native bf16, else fp32)")
     t.add_argument("--hf-optim", default=None, help="TrainingArguments.optim (default: the Trainer's default)")
     t.add_argument("--task", default=TASK, choices=tuple(TASK_FOLDERS),
-                   help="GLUE task (default: %(default)s); results go to throughput-TASK.json, and a rerun with "
+                   help="GLUE task (default: %(default)s); results go to throughput-TASK.json (fp32) or "
+                        "throughput-TASK-bf16.json, and a rerun with "
                         "more --repeats keeps the runs already there (same settings and hpcbert commit)")
     t.add_argument("--wait-quiet", type=float, default=120,
                    help="before each run, wait up to this many seconds for other work to use < 0.3 cores "

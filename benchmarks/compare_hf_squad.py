@@ -606,7 +606,8 @@ def render_accuracy(runs: list[dict]) -> str:
         lines += ["", f"F1 hpcbert − Trainer: **{d:+.2f} points** (target: within {F1_TARGET} points of the "
                       "Trainer's "
                       f"mean): **{verdict}**. std is the sample std over seeds."]
-    lines += ["", "Commands (one run each, under `/work/tools/shared nice -n 10`):", ""]
+    lines += ["", "Commands (one run each; accuracy does not depend on other work on the machine, so these ran "
+                  "at low priority beside other jobs):", ""]
     lines += [f"- `{r['command']}` ({r['date']}): EM {r['exact_match']:.2f}, F1 {r['f1']:.2f}"
               for r in sorted(runs, key=lambda r: (r["seed"], r["side"]))]
     lines += ["", "hpcbert's run directories (config.json, summary.json, predictions.json, nbest_predictions.json) "
@@ -663,8 +664,9 @@ def render_readme(results: Path) -> str:
            f"Both sides: {MODEL} (pretrained BertModel, new span head), the official SQuAD v1.1 dev file split by "
            f"article (first {TRAIN_ARTICLES} articles train, last {TRAIN_ARTICLES} evaluate), max length {SEQ_LEN}, "
            f"doc stride {STRIDE}, batch {BATCH}, lr {LR:g}, AdamW (fused, both sides), weight decay {WEIGHT_DECAY}, "
-           f"linear warm-up {WARMUP_RATIO:g} then decay, {EPOCHS:g} epochs, {PRECISION} (this CPU has no native "
-           f"bf16: emulated bf16 is ~100x slower, so the figures are fp32), n-best {N_BEST}, answers ≤ "
+           f"linear warm-up {WARMUP_RATIO:g} then decay, {EPOCHS:g} epochs, {PRECISION} (the first machine these ran "
+           f"on had no native bf16, where emulated bf16 is ~100x slower; every later run keeps fp32 so that all "
+           f"seeds compare), n-best {N_BEST}, answers ≤ "
            f"{MAX_ANSWER} tokens, {THREADS} threads. Each side windows the contexts as its users expect: hpcbert as "
            f"Google's run_squad.py (question ≤ {QUERY_LEN} tokens, window starts {STRIDE} tokens apart), the "
            f"Trainer as transformers' run_qa.py (the tokenizer's overflow windows, {STRIDE} tokens of overlap); "
@@ -689,7 +691,20 @@ def render_readme(results: Path) -> str:
     out += ["## Accuracy", ""]
     runs = [C.read_json(p) for p in sorted((results / "accuracy").glob("*.json"))]
     if runs:
-        out += [f"Measured on {C._machine_line(runs[0])}.", "", render_accuracy(runs), ""]
+        machines: dict[str, list[str]] = {}
+        for r in sorted(runs, key=lambda r: (r["side"] != "hpcbert", r["seed"])):
+            m = r["machine"]
+            line = (f"{m['cpu']}, {m['cores']} cores, {m['threads']} threads per run; native bf16: "
+                    f"{'yes' if m['native_bf16'] else 'no'}; Python {m['python']}, torch {m['torch']}, transformers "
+                    f"{m['transformers']}; hpcbert: {m.get('hpcbert_source', {}).get('note') or m.get('git_commit')}")
+            machines.setdefault(line, []).append(
+                f"{'hpcbert' if r['side'] == 'hpcbert' else 'Trainer'} seed {r['seed']}")
+        if len(machines) == 1:
+            out += [f"Measured on {next(iter(machines))}.", ""]
+        else:
+            out += ["Measured on more than one machine (every run in fp32, so the precision is the same on each):", ""]
+            out += [f"- {', '.join(who)}: {line}" for line, who in machines.items()] + [""]
+        out += [render_accuracy(runs), ""]
     else:
         out += ["Not measured yet (`accuracy/*.json` is missing).", ""]
     return "\n".join(out)
