@@ -81,6 +81,24 @@ def test_state_dict_keys_unchanged_by_wrapping():
     m.load_state_dict(make("none").state_dict())  # strict: loads across policies
 
 
+def test_all_keeps_only_each_layers_input():
+    """Under `all` the encoder keeps, per sequence, each layer's fp32 input (T x H x 4 bytes) and
+    nothing else: the embeddings are recomputed too (before they were wrapped they also kept their
+    LayerNorm input, its statistics and a dropout mask per token)."""
+    L, T, H = 6, 32, CFG["hidden_size"]
+    m = make("all", layers=L)
+    m.bert.pooler = None  # the encoder alone (the pooler keeps its own input and output)
+
+    def loss_of(b: int) -> torch.Tensor:
+        ids = torch.randint(1, 400, (b, T))
+        seq, _ = m.bert(ids, None, torch.zeros_like(ids))
+        return seq.sum()  # a sum's backward keeps nothing
+
+    # + what the recomputation reads again: the ids and token types (int64 per token, the embeddings'
+    # inputs) and the batch's cu_seqlens (int32, one entry per sequence).
+    assert activation_bytes_per_sequence(m, loss_of, torch.device("cpu")) == L * T * H * 4 + 2 * T * 8 + 4
+
+
 def test_inactive_in_evaluation_and_no_grad(monkeypatch):
     calls = []
     real = policies.checkpoint
@@ -92,8 +110,8 @@ def test_inactive_in_evaluation_and_no_grad(monkeypatch):
     with torch.no_grad():
         m.train()(ids, mask, types)       # training mode, no grad
     assert calls == []
-    m(ids, mask, types)                   # training with grad: every layer recomputes
-    assert len(calls) == 4
+    m(ids, mask, types)                   # training with grad: every layer and the embeddings recompute
+    assert len(calls) == 5
 
 
 def test_wrapping_twice_is_refused():
