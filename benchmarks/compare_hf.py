@@ -1192,12 +1192,15 @@ def render_policies(doc: dict) -> str:
 # render
 # ----------------------------------------------------------------------------------------------
 
-def _machine_line(doc: dict) -> str:
+def _machine_line(doc: dict, trainer_packages: bool = True) -> str:
+    """The machine and software a result was measured with; without `trainer_packages`, accelerate and
+    datasets are left out (runs that differ only in them group together)."""
     m = doc["machine"]
     dev = f", GPU {m['cuda']}" if m.get("cuda") else ""
+    extra = f", accelerate {m['accelerate']}, datasets {m['datasets']}" if trainer_packages else ""
     return (f"{m['cpu']}, {m['cores']} cores, {m['threads']} threads per run{dev}; native bf16: "
             f"{'yes' if m['native_bf16'] else 'no'}; Python {m['python']}, torch {m['torch']}, transformers "
-            f"{m['transformers']}, accelerate {m['accelerate']}, datasets {m['datasets']}; hpcbert: "
+            f"{m['transformers']}{extra}; hpcbert: "
             f"{m.get('hpcbert_source', {}).get('note') or m.get('git_commit') or 'unknown'}")
 
 

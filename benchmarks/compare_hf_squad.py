@@ -693,11 +693,7 @@ def render_readme(results: Path) -> str:
     if runs:
         machines: dict[str, list[str]] = {}
         for r in sorted(runs, key=lambda r: (r["side"] != "hpcbert", r["seed"])):
-            m = r["machine"]
-            line = (f"{m['cpu']}, {m['cores']} cores, {m['threads']} threads per run; native bf16: "
-                    f"{'yes' if m['native_bf16'] else 'no'}; Python {m['python']}, torch {m['torch']}, transformers "
-                    f"{m['transformers']}; hpcbert: {m.get('hpcbert_source', {}).get('note') or m.get('git_commit')}")
-            machines.setdefault(line, []).append(
+            machines.setdefault(C._machine_line(r, trainer_packages=False), []).append(
                 f"{'hpcbert' if r['side'] == 'hpcbert' else 'Trainer'} seed {r['seed']}")
         if len(machines) == 1:
             out += [f"Measured on {next(iter(machines))}.", ""]
