@@ -349,9 +349,9 @@ def hpcbert_record(s: dict) -> dict:
 def hf_run(name: str, work: Path, threads: int, glue: Path, out_json: Path, *, padding: str, precision: str,
            seed: int, max_steps: int | None = None, epochs: float = 3.0, do_eval: bool = False,
            warmup_excluded: int = 5, optim: str | None = None, max_wait_s: float = 0.0, task: str = TASK,
-           order: str = "random") -> dict:
+           order: str = "random", host_allocator: str = "system") -> dict:
     cmd = [sys.executable, str(Path(__file__).resolve()), "_hf-worker", "--data-dir", str(glue), "--task", task,
-           "--order", order,
+           "--order", order, "--host-allocator", host_allocator,
            "--out", str(out_json), "--scratch", str(work / "hf-scratch" / name), "--padding", padding,
            "--precision", precision, "--seed", str(seed), "--threads", str(threads), "--epochs", str(epochs),
            "--warmup-steps-excluded", str(warmup_excluded)]
@@ -361,7 +361,7 @@ def hf_run(name: str, work: Path, threads: int, glue: Path, out_json: Path, *, p
         cmd += ["--do-eval"]
     if optim:
         cmd += ["--optim", optim]
-    say(f"trainer {name}: padding={padding} order={order} precision={precision} seed={seed} "
+    say(f"trainer {name}: padding={padding} order={order} precision={precision} seed={seed} host_allocator={host_allocator} "
         f"{'max_steps=' + str(max_steps) if max_steps else 'epochs=' + str(epochs)}")
     noise = run_logged(cmd, work / "logs" / f"hf-{name}.log", threads, max_wait_s)
     r = read_json(out_json)
@@ -452,8 +452,15 @@ def hf_worker(argv: list[str]) -> int:
                    help="random: the Trainer's RandomSampler; group_by_length: its LengthGroupedSampler "
                         "(train_sampling_strategy); hpcbert-random: hpcbert's --sampler random order for the "
                         "same seed, so both sides train on the same batches")
+    p.add_argument("--host-allocator", choices=("system", "retain"), default="system",
+                   help="retain: glibc malloc set as hpcbert sets it for its runs (hpcbert.dist."
+                        "tune_host_allocator), to show what of hpcbert's lead that setting alone gives")
     a = p.parse_args(argv)
     t_process = time.perf_counter()
+    if a.host_allocator == "retain":
+        from hpcbert.dist import tune_host_allocator
+        if tune_host_allocator() != "glibc-retain":
+            sys.exit("compare_hf: --host-allocator retain: the C library is not glibc (or mallopt refused)")
 
     import numpy as np
     import torch
@@ -578,6 +585,11 @@ COMPARISONS = [
     ("own length grouping", "hp-length-grouped", "hf-group-by-length",
      "each side with its own length grouping (hpcbert's length-grouped sampler, the Trainer's "
      "train_sampling_strategy=\"group_by_length\")"),
+    ("equal batches, Trainer with hpcbert's malloc setting", "hp-random", "hf-same-order-retain",
+     "as equal batches, the Trainer's process given the host allocator setting hpcbert applies to its own "
+     "(hpcbert.dist.tune_host_allocator): what of the lead is that setting"),
+    ("own length grouping, Trainer with hpcbert's malloc setting", "hp-length-grouped", "hf-group-by-length-retain",
+     "as own length grouping, the Trainer's process given hpcbert's host allocator setting"),
     ("defaults", "hp-defaults", "hf-defaults",
      "each side as shipped: hpcbert's defaults against run_glue.py's (pad to 128, fp32)"),
 ]
@@ -591,10 +603,16 @@ def throughput_runs(matched: str) -> dict[str, dict]:
                           precision=matched, sampler="random"),
         "hf-same-order": dict(side="hf", label=f"Trainer {matched}, dynamic padding, hpcbert's random order",
                               padding="dynamic", precision=matched, order="hpcbert-random"),
+        "hf-same-order-retain": dict(side="hf", label=f"Trainer {matched}, dynamic padding, hpcbert's random order, "
+                                     "malloc as hpcbert sets it", padding="dynamic", precision=matched,
+                                     order="hpcbert-random", host_allocator="retain"),
         "hp-length-grouped": dict(side="hpcbert", label=f"hpcbert {matched}, dynamic padding, length-grouped sampler",
                                   precision=matched, sampler="length-grouped"),
         "hf-group-by-length": dict(side="hf", label=f"Trainer {matched}, dynamic padding, group_by_length",
                                    padding="dynamic", precision=matched, order="group_by_length"),
+        "hf-group-by-length-retain": dict(side="hf", label=f"Trainer {matched}, dynamic padding, group_by_length, "
+                                          "malloc as hpcbert sets it", padding="dynamic", precision=matched,
+                                          order="group_by_length", host_allocator="retain"),
         "hf-defaults": dict(side="hf", label="Trainer, run_glue defaults (pad to 128, fp32, random order)",
                             padding="max_length", precision="fp32", order="random"),
     }
@@ -648,8 +666,9 @@ def cmd_throughput(a) -> int:
                 rec = measured(lambda: hf_run(
                     name, work, a.threads, glue, work / "hf-json" / f"{name}.json", padding=how["padding"],
                     precision=how["precision"], seed=SEED, max_steps=steps, warmup_excluded=w, optim=a.hf_optim,
-                    max_wait_s=a.wait_quiet, task=a.task, order=how["order"]), a)
-                rec.update(sampler=how["order"])
+                    max_wait_s=a.wait_quiet, task=a.task, order=how["order"],
+                    host_allocator=how.get("host_allocator", "system")), a)
+                rec.update(sampler=how["order"], host_allocator=how.get("host_allocator", "system"))
             rec.update(repeat=rep, side=how["side"], key=key, label=how["label"])
             doc["runs"].append(rec)
             say(f"  {name}: {rec['steady_sequences_per_sec']:.2f} seq/s "

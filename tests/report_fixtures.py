@@ -79,7 +79,7 @@ def make_run(parent: str | Path, name: str, *, config: dict[str, Any] | None = N
         # Keys newer than some runfiles versions: written only where SUMMARY_KEYS has them.
         "tf32": False, "lr_horizon_steps": steps, "lr_horizon_source": "planned steps",
         "nonfinite_grad_steps": 0,
-        "time_to_target_s": None, "steps_to_target": None, "tokens_to_target": None,
+        "time_to_target_s": None, "steps_to_target": None, "tokens_to_target": None, "host_allocator": "system",
     }
     unknown = set(summary) - set(SUMMARY_KEYS)
     assert not unknown, f"not summary keys: {unknown}"

@@ -167,6 +167,8 @@ def test_summary_shows_per_rank_step_times_and_the_policies(two_proc_3_5):
     assert s["dist_backend"] == "gloo" and s["lr_scaling"] == "none" and s["world_size"] == 2
     assert "per-rank 3+5 x 1 accum = 8 global" in two_proc_3_5.proc.stderr
     assert "backend gloo, 1 thread(s) each" in two_proc_3_5.proc.stderr
+    glibc = sys.platform == "linux" and __import__("platform").libc_ver()[0] == "glibc"
+    assert s["host_allocator"] == ("glibc-retain" if glibc else "system")
 
 
 def _free_port() -> int:
@@ -296,3 +298,45 @@ def test_grad_accumulation_under_ddp_gives_the_losses_and_parameters_of_one_proc
     assert all(len(step) == 2 for step in r0["shards"])  # two micro-batches per step on each rank
     for g, ref in zip(r0["grads"], one_proc_8.ranks[0]["grads"], strict=True):
         assert rel(g, ref) <= 1e-5
+
+
+# --- host allocator (dist.tune_host_allocator) -------------------------------------------------
+
+_FAULTS = """
+import resource, sys, torch
+from hpcbert import dist
+print(dist.tune_host_allocator())
+sizes = [48 << 20, 8 << 20, 40 << 20, 1 << 20]   # a step's buffers: some over glibc's 32 MiB mmap limit
+for i in range(8):                                # allocate, touch (torch.ones), free, as steps do
+    f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    xs = [torch.ones(n // 4) for n in sizes]
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0
+    del xs
+print(faults, sum(sizes) // 4096)
+"""
+
+
+@pytest.mark.skipif(sys.platform != "linux" or __import__("platform").libc_ver()[0] != "glibc",
+                    reason="mallopt tuning is glibc's (Linux); elsewhere tune_host_allocator leaves malloc alone")
+@pytest.mark.parametrize("setting", ["retain", "system"])
+def test_host_allocator_keeps_freed_buffers_mapped_for_the_next_step(setting):
+    # The kernel's minor-fault count of the process: a step that reuses memory kept mapped touches
+    # no new page; one that gets fresh mmaps faults once per 4 KiB page it writes.
+    env = run_env() | {"HPCBERT_HOST_ALLOCATOR": setting}
+    out = subprocess.run([sys.executable, "-c", _FAULTS], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    applied, counts = out.stdout.split("\n")[:2]
+    faults, pages = map(int, counts.split())
+    if setting == "retain":
+        assert applied == "glibc-retain"
+        assert faults < 0.05 * pages, f"{faults} page faults in a step that writes {pages} pages"
+    else:
+        assert applied == "system"
+        assert faults > 0.5 * pages, f"only {faults} faults for {pages} fresh pages: the test does not see mmaps"
+
+
+def test_host_allocator_setting_must_be_known(monkeypatch):
+    from hpcbert import dist
+    monkeypatch.setenv("HPCBERT_HOST_ALLOCATOR", "jemalloc")
+    with pytest.raises(ValueError, match="HPCBERT_HOST_ALLOCATOR='jemalloc'; accepted: retain .* or system"):
+        dist.tune_host_allocator()

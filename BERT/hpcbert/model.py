@@ -242,13 +242,16 @@ class _CpuAttention(torch.autograd.Function):
             for r0, nb, L in groups:
                 q, k, v = _heads(qkv[r0:r0 + nb * L], nb, L, n_head, D)    # 3 x (nb, N, L, D)
                 S = (q * D ** -0.5) @ k.transpose(-1, -2)                   # (nb, N, L, L)
-                P = torch.softmax(S, -1, dtype=torch.promote_types(S.dtype, torch.float32)).to(S.dtype)
+                # bf16 in, bf16 out: PyTorch's CPU softmax accumulates reduced precision in fp32
+                # (bit-equal to softmax in fp32 then rounded, without the two (L, L) casts)
+                P = torch.softmax(S, -1)
                 if p:
                     keep, scale = keep_mask(tuple(P.shape), p, P.device)
                     saved += [P, keep]
                     # out of place: selective checkpointing keeps this bmm's output and hands the
-                    # same tensor back in the recomputation, where an in-place scale would apply twice
-                    o = ((P * keep.to(P.dtype)) @ v) * scale
+                    # same tensor back in the recomputation, where an in-place scale would apply twice.
+                    # P * keep promotes the uint8 mask in the multiplication (no converted copy).
+                    o = ((P * keep) @ v) * scale
                 else:
                     saved.append(P)
                     o = P @ v
@@ -273,7 +276,7 @@ class _CpuAttention(torch.autograd.Function):
             dO = dout[rows].view(nb, L, N, D).transpose(1, 2)           # (nb, N, L, D)
             g = dqkv[rows].view(nb, L, 3, N, D)
             if p:
-                keep = saved[i * per_group + 1].to(P.dtype)
+                keep = saved[i * per_group + 1]
                 dO = dO * ctx.scale
                 dP = (dO @ v.transpose(-1, -2)).mul_(keep)              # (nb, N, L, L)
                 g[:, :, 2] = ((P * keep).transpose(-1, -2) @ dO).transpose(1, 2)

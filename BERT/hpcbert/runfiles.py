@@ -16,10 +16,11 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 # Keys each schema version added; a summary of an older version reads with them as null (not measured).
 ADDED_IN = {2: ("tf32", "lr_horizon_steps", "lr_horizon_source", "nonfinite_grad_steps"),
-            3: ("time_to_target_s", "steps_to_target", "tokens_to_target")}
+            3: ("time_to_target_s", "steps_to_target", "tokens_to_target"),
+            4: ("host_allocator",)}
 
 # summary.json keys and their meaning (units in the name where there is one). A figure that cannot
 # be measured on a device is null, never zero.
@@ -36,6 +37,7 @@ SUMMARY_KEYS: dict[str, str] = {
     "precision": "resolved precision actually used (fp32, bf16, fp16)",
     "tf32": "fp32 matmuls on TF32 tensor cores (CUDA, compute capability >= 8.0)",
     "compile": "torch.compile used",
+    "host_allocator": "glibc-retain (freed host memory kept mapped for the next step: dist.tune_host_allocator) or system",
     "grad_ckpt": "gradient checkpointing policy",
     "ckpt_layers": "indices of checkpointed encoder layers",
     "optimizer": "adamw or lamb",

@@ -735,6 +735,7 @@ class Trainer:
             "max_seq_length": cfg.max_seq_length,
             "precision": self.precision,
             "tf32": self.tf32,
+            "host_allocator": d.host_allocator,
             "compile": self.compiled,
             "grad_ckpt": cfg.grad_ckpt,
             "ckpt_layers": self.ckpt_layers,
