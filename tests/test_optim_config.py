@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from hpcbert.config import RunConfig, parse_duration
-from hpcbert.optim import Lamb, scaled_lr, warmup_linear
+from hpcbert.optim import Lamb, clip_grad_norm, scaled_lr, warmup_linear
 
 
 def test_lamb_step_matches_the_paper_formula():
@@ -68,3 +68,26 @@ def test_config_round_trip_and_unknown_keys():
     assert RunConfig.from_dict(cfg.to_dict()) == cfg
     with pytest.raises(ValueError, match="unknown field.*bogus"):
         RunConfig.from_dict({**cfg.to_dict(), "bogus": 1})
+
+
+@pytest.mark.parametrize("scale,max_norm", [(0.01, 1.0), (10.0, 1.0), (1.0, None), (10.0, 0.0)])
+def test_clip_grad_norm_gives_the_bits_of_torchs(scale, max_norm):
+    # The reference is PyTorch's clip_grad_norm_ (max_norm None/0 in hpcbert = no clipping = inf
+    # there): the same norm and the same gradients, bit for bit, whether the norm is inside the
+    # bound (hpcbert skips the multiplication by 1) or over it (both scale).
+    torch.manual_seed(0)
+    shapes = [(30, 7), (7,), (5, 5, 3), (1,)]
+    grads = [torch.randn(s) * scale for s in shapes] + [torch.randn(4).double() * scale]  # two dtypes
+    ours = [torch.nn.Parameter(torch.zeros_like(g)) for g in grads]
+    ref = [torch.nn.Parameter(torch.zeros_like(g)) for g in grads]
+    for a, b, g in zip(ours, ref, grads):
+        a.grad, b.grad = g.clone(), g.clone()
+    ref.append(torch.nn.Parameter(torch.zeros(3)))  # a parameter without a gradient is left out by both
+    ours.append(torch.nn.Parameter(torch.zeros(3)))
+    n_ours = clip_grad_norm(ours, max_norm)
+    n_ref = torch.nn.utils.clip_grad_norm_(ref, max_norm or float("inf"))
+    assert torch.equal(n_ours, n_ref)
+    clipped = scale == 10.0 and max_norm
+    for a, b, g in zip(ours, ref, grads):
+        assert torch.equal(a.grad, b.grad)
+        assert torch.equal(a.grad, g) != bool(clipped)  # scaled exactly when the norm is over the bound

@@ -12,8 +12,38 @@ import math
 
 import torch
 from torch import nn
+from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype
 
 from .config import RunConfig
+
+
+@torch.no_grad()
+def clip_grad_norm(params, max_norm: float | None) -> torch.Tensor:
+    """`torch.nn.utils.clip_grad_norm_` (2-norm over all gradients, then every gradient times
+    min(max_norm / (norm + 1e-6), 1)), returning the norm; max_norm None or 0: the norm only.
+
+    PyTorch multiplies every gradient even when that factor is 1, so that a GPU never waits for
+    the host to read the norm. On a CPU there is no such wait, and in fine-tuning the norm is mostly
+    within the bound (an SST-2 run: 37 of 40 steps): the multiplication by 1, a read and a write of
+    every gradient (91 MB for minilm-l6), is skipped there. The gradients are the same bits either
+    way (x * 1.0 == x)."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return torch.zeros(())
+    # grouped by (device, dtype) as clip_grad_norm_ groups them (the order of the norms is the
+    # order of the sum that makes the total)
+    groups = [g for (_, _), ([g], _) in _group_tensors_by_device_and_dtype([grads]).items()]
+    norms = [n for g in groups for n in torch._foreach_norm(g, 2.0)]
+    device = grads[0].device
+    total = torch.linalg.vector_norm(torch.stack([n.to(device) for n in norms]), 2.0)
+    if not max_norm:
+        return total
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    if device.type == "cpu" and all(g.device.type == "cpu" for g in grads) and coef.item() == 1.0:
+        return total
+    for g in groups:
+        torch._foreach_mul_(g, coef.to(g[0].device))
+    return total
 
 
 class Lamb(torch.optim.Optimizer):

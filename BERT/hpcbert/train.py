@@ -31,7 +31,7 @@ from .checkpoint import Checkpoint, CheckpointError, CheckpointManager
 from .config import RESUMABLE_CHANGES, RunConfig
 from .data.features import epoch_order, global_batches, shard
 from .model import batch_flops, load_pretrained, load_state_dict_file, load_weights
-from .optim import make_optimizer
+from .optim import clip_grad_norm, make_optimizer
 from .runfiles import SCHEMA_VERSION, MetricsWriter, write_json_atomic, write_text_atomic
 from .stopping import REASONS, StopConditions
 
@@ -465,7 +465,7 @@ class Trainer:
                 self.scaler.scale(loss).backward()
             loss_acc += loss.detach()
         self.scaler.unscale_(self.optimizer)
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.raw.parameters(), cfg.max_grad_norm or float("inf"))
+        grad_norm = clip_grad_norm(self.raw.parameters(), cfg.max_grad_norm)
         self.scaler.step(self.optimizer)
         self.scaler.update()
         self.scheduler.step()
