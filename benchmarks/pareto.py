@@ -90,7 +90,14 @@ def machine(threads: int) -> dict:
     from hpcbert.policies import device_has_native_bf16
 
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    import subprocess
+
+    commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short=12", "HEAD"], capture_output=True,
+                            text=True).stdout.strip() or None
+    dirty = bool(subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--", "BERT"], capture_output=True,
+                                text=True).stdout.strip())
     return {"cpu": cpu_name(), "cores": os.cpu_count(), "threads": threads, "torch": torch.__version__,
+            "hpcbert_commit": commit, "hpcbert_source_modified": dirty,
             "python": platform.python_version(), "gpu": torch.cuda.get_device_name(0) if dev.type == "cuda" else None,
             "native_bf16": device_has_native_bf16(dev)}
 
@@ -132,7 +139,9 @@ def render_readme(results: Path = RESULTS) -> str:
         where = mc["gpu"] or f"{mc['cpu']}, {mc['cores']} cores, {mc['threads']} threads"
         out += [f"- `{m['command']}`: {m['date']}, {where}; native bf16: {'yes' if mc['native_bf16'] else 'no'} "
                 f"(precision auto: {', '.join(sorted({e['precision'] for e in doc['entries']}))}); torch {mc['torch']}; "
-                f"{m['rounds']} rounds of {m['steps']} timed steps."]
+                f"{m['rounds']} rounds of {m['steps']} timed steps"
+                + (f"; hpcbert commit {mc['hpcbert_commit']}{' (BERT/ modified)' if mc.get('hpcbert_source_modified') else ''}"
+                   if mc.get("hpcbert_commit") else "") + "."]
     return "\n".join(out) + "\n"
 
 
