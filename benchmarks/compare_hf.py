@@ -1012,7 +1012,7 @@ def cmd_compile(a) -> int:
                        losses=[m["loss"] for m in read_metrics(ROOT / rec["run_dir"])])
             doc["runs"].append(rec)
             say(f"  {name}: {rec['steady_sequences_per_sec']:.2f} seq/s")
-            write_json(results / f"compile-{a.task}.json", doc)
+            write_json(results / throughput_file(a.task, precision).replace("throughput-", "compile-"), doc)
     print(render_compile(doc))
     return 0
 
@@ -1235,7 +1235,7 @@ def render_readme(results: Path) -> str:
     for path in sorted(results.glob("policies-*.json")) or [results / "policies-bf16.json"]:
         prec = path.stem.split("-", 1)[1]
         sections.append((f"Gradient-checkpointing policies (hpcbert only), {prec}", path.name, render_policies))
-    sections += [(f"torch.compile, {p.stem.split('-', 1)[1].upper()}", p.name, render_compile)
+    sections += [(throughput_title(p).replace("Throughput", "torch.compile"), p.name, render_compile)
                  for p in sorted(results.glob("compile-*.json"))]
     sections.append(("Where a step's time goes (why recomputation costs what it does)", "breakdown.json",
                      render_breakdown))
