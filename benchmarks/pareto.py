@@ -133,7 +133,10 @@ def render_readme(results: Path = RESULTS) -> str:
             "full-length batches (no padding, so every step does the same work), in one process, a fresh copy of the "
             "model per policy and round, policies interleaved; the fastest timed step of a policy over all rounds "
             "(other work only ever adds time) divided by `none`'s. Random weights; dropout 0.1. `offload` needs CUDA "
-            "and appears only where the run had a GPU.", ""]
+            "and appears only where the run had a GPU. The batches are what a step of a 2-core CPU does in a few "
+            "seconds; at batch 1 or 2 the optimizer's pass over every parameter (bert-large: 335 M) is a fixed part "
+            "of each step that recomputation does not add to, so those rows' time ratios are lower than at the "
+            "batch a GPU would run. Few rounds of few steps: a ratio within a few percent of 1 is within noise.", ""]
     for m in doc["measurements"]:
         mc = m["machine"]
         where = mc["gpu"] or f"{mc['cpu']}, {mc['cores']} cores, {mc['threads']} threads"

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from conftest import run_env
-from hpcbert import batching, dist, meters, objectives, policies
+from hpcbert import batching, dist, meters, objectives, optim, policies
 from hpcbert.config import RunConfig
 from hpcbert.model import BertConfig, BertForSequenceClassification
 from hpcbert.runfiles import read_metrics, read_summary
@@ -55,16 +55,33 @@ class _NoSync:
             setattr(torch.Tensor, n, f)
 
 
-def test_a_step_reads_no_tensor_value_on_the_host(tmp_path):
+def test_a_step_reads_no_tensor_value_on_the_host(tmp_path, monkeypatch):
+    # One read is allowed, of a CPU tensor only: clipping's "is the norm within the bound?" on a
+    # CPU, where no device runs ahead (optim._cpu_value, which refuses any other device).
     d = dist.init(threads=1)
     cfg = RunConfig(**TINY, max_steps=3, out=str(tmp_path / "run"), grad_accum=2)
     tr = Trainer(cfg, d, objectives.get(cfg))
     gb = np.arange(16)
+    item, reads = torch.Tensor.item, []
+    monkeypatch.setattr(optim, "_cpu_value", lambda t: reads.append(t.device.type) or item(t))
     with _NoSync():
         loss, grad_norm, counts = tr.step(gb)
+    assert reads == ["cpu"]
     # The values are there, on the device, for whoever reads them later.
     assert torch.isfinite(loss) and float(loss) > 0 and float(grad_norm) > 0
     assert counts[0] > 0 and counts[1] >= counts[0]
+
+
+def test_clipping_reads_no_value_of_gradients_off_the_cpu():
+    # meta tensors stand in for a GPU's: clipping must scale them without reading the norm
+    ps = [torch.nn.Parameter(torch.zeros(4, 3, device="meta")), torch.nn.Parameter(torch.zeros(5, device="meta"))]
+    for p in ps:
+        p.grad = torch.ones_like(p)
+    with _NoSync():
+        norm = optim.clip_grad_norm(ps, 1.0)
+    assert norm.device.type == "meta"
+    with pytest.raises(ValueError, match="meta tensor; reading it would make the host wait"):
+        optim._cpu_value(norm)
 
 
 def test_the_sync_detector_detects_a_sync():
