@@ -46,10 +46,13 @@ DEFAULTS = dict(model="minilm-l6", task="synthetic", time_budget="15s", epochs=1
 DEFAULT_POLICIES = "none,selective,alternate,all"
 DEFAULT_ROUNDS = 1
 DEFAULT_INTERLEAVED = "90s"
-# Batches the interleaved measurement cycles over: two (of different lengths) so no one batch's
-# shape decides the ratio, and few, so each is measured often (about 8 times per policy in the
-# default 90 s) and its fastest time drops short bursts of the machine's other load.
-INTERLEAVED_BATCHES = 2
+# Batches the interleaved measurement cycles over: those of steps 3 to 10 (batches 2..9 of the
+# first epoch; steps 1 and 2 warm up), of many lengths, so no one batch's shape decides the ratio
+# (a policy's cost depends on the length: PyTorch's selective checkpointing costs a fixed time per
+# op, a larger share of a short batch's step), and the batches benchmarks/compare_hf.py policies
+# compares in processes of their own with the same defaults (seed, sampler, synthetic task).
+# About 4 blocks each in the default 90 s: each policy's fastest of ~8 times per batch.
+INTERLEAVED_FIRST, INTERLEAVED_BATCHES = 2, 8
 
 
 def add_options(p: argparse.ArgumentParser) -> None:
@@ -187,7 +190,7 @@ def interleaved(base: config.RunConfig, policies: list[str], budget_s: float, ou
             timed(p, batches[0])
         blocks: list[dict] = []
         end = time.perf_counter() + budget_s
-        measured = list(range(1, min(len(batches), 1 + INTERLEAVED_BATCHES))) or [0]
+        measured = list(range(INTERLEAVED_FIRST, min(len(batches), INTERLEAVED_FIRST + INTERLEAVED_BATCHES))) or [0]
         while not blocks or time.perf_counter() < end:
             k = len(blocks)
             i = measured[k % len(measured)]
