@@ -96,12 +96,10 @@ def tune_host_allocator() -> str:
 
     Returns "glibc-retain" when applied; "system" where the C library is not glibc or
     HPCBERT_HOST_ALLOCATOR=system asks to leave it alone. Process-wide and idempotent."""
-    if os.environ.get(HOST_ALLOCATOR_ENV, "") == "system":
-        return "system"
-    if os.environ.get(HOST_ALLOCATOR_ENV, "") not in ("", "retain"):
-        raise ValueError(f"environment: {HOST_ALLOCATOR_ENV}={os.environ[HOST_ALLOCATOR_ENV]!r}; accepted: "
-                         f"retain (the default) or system")
-    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+    setting = os.environ.get(HOST_ALLOCATOR_ENV, "")
+    if setting not in ("", "retain", "system"):
+        raise ValueError(f"environment: {HOST_ALLOCATOR_ENV}={setting!r}; accepted: retain (the default) or system")
+    if setting == "system" or platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
         return "system"
     try:
         mallopt = ctypes.CDLL(None).mallopt
