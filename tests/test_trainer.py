@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from conftest import run_env
-from hpcbert import batching, dist, meters, objectives, optim, policies
+from hpcbert import batching, dist, meters, model, objectives, optim, policies
 from hpcbert.config import RunConfig
 from hpcbert.model import BertConfig, BertForSequenceClassification
 from hpcbert.runfiles import read_metrics, read_summary
@@ -56,17 +56,34 @@ class _NoSync:
 
 
 def test_a_step_reads_no_tensor_value_on_the_host(tmp_path, monkeypatch):
-    # One read is allowed, of a CPU tensor only: clipping's "is the norm within the bound?" on a
-    # CPU, where no device runs ahead (optim._cpu_value, which refuses any other device).
+    # Reads are allowed of CPU tensors only, through model.cpu_value (which refuses any other
+    # device): clipping's "is the norm within the bound?" once per step, and each CPU dropout
+    # mask's seed (model.keep_mask).
     d = dist.init(threads=1)
     cfg = RunConfig(**TINY, max_steps=3, out=str(tmp_path / "run"), grad_accum=2)
     tr = Trainer(cfg, d, objectives.get(cfg))
     gb = np.arange(16)
     item, reads = torch.Tensor.item, []
-    monkeypatch.setattr(optim, "_cpu_value", lambda t: reads.append(t.device.type) or item(t))
+
+    def read(t):
+        reads.append((t.device.type, t.dtype))
+        return item(t)
+
+    masks = []
+    real_keep_mask = model.keep_mask
+
+    def keep_mask(*a):
+        masks.append(a[0])
+        return real_keep_mask(*a)
+
+    monkeypatch.setattr(model, "cpu_value", read)
+    monkeypatch.setattr(optim, "cpu_value", read)
+    monkeypatch.setattr(model, "keep_mask", keep_mask)
     with _NoSync():
         loss, grad_norm, counts = tr.step(gb)
-    assert reads == ["cpu"]
+    assert masks, "the tiny model trains with dropout"
+    # one read of the clipping norm (a float) and one seed (int64) per dropout mask drawn
+    assert sorted(reads, key=str) == sorted([("cpu", torch.float32)] + [("cpu", torch.int64)] * len(masks), key=str)
     # The values are there, on the device, for whoever reads them later.
     assert torch.isfinite(loss) and float(loss) > 0 and float(grad_norm) > 0
     assert counts[0] > 0 and counts[1] >= counts[0]
@@ -81,7 +98,7 @@ def test_clipping_reads_no_value_of_gradients_off_the_cpu():
         norm = optim.clip_grad_norm(ps, 1.0)
     assert norm.device.type == "meta"
     with pytest.raises(ValueError, match="meta tensor; reading it would make the host wait"):
-        optim._cpu_value(norm)
+        model.cpu_value(norm)
 
 
 def test_the_sync_detector_detects_a_sync():

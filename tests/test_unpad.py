@@ -182,6 +182,26 @@ def test_keep_mask_rate_and_scale_keep_the_expectation():
         assert abs(drop.view(-1, 4)[:, lane].mean().item() - p) < 5 * 2 * sigma
 
 
+def test_keep_mask_is_fixed_by_torchs_seed_and_takes_one_draw_from_it():
+    # checkpointing replays torch's generator to redraw the same masks in a recomputation: a mask
+    # must depend on that generator alone, and take the same draws from it whatever its size
+    cpu = torch.device("cpu")
+    torch.manual_seed(5)
+    a, _ = keep_mask((64, 1000), 0.1, cpu)
+    after_a = torch.get_rng_state()
+    b, _ = keep_mask((64, 1000), 0.1, cpu)
+    torch.manual_seed(5)
+    keep_mask((3,), 0.5, cpu)  # what it takes of torch's generator does not depend on the size
+    assert torch.equal(torch.get_rng_state(), after_a)
+    torch.manual_seed(5)
+    assert torch.equal(keep_mask((64, 1000), 0.1, cpu)[0], a)
+    assert not torch.equal(a, b)  # the next mask is another
+    torch.manual_seed(6)
+    assert not torch.equal(keep_mask((64, 1000), 0.1, cpu)[0], a)
+    with pytest.raises(ValueError, match="CPU only"):
+        keep_mask((4,), 0.1, torch.device("meta"))
+
+
 def test_cpu_dropout_backward_is_the_derivative_and_keeps_the_expectation():
     from hpcbert.model import dropout
 

@@ -172,19 +172,36 @@ class Tokens:
         return self.cu_seqlens[:-1].to(torch.int64)
 
 
+def cpu_value(t: torch.Tensor):
+    """A CPU tensor's value on the host. A training step's only reads of tensor values go through
+    here: clipping's "is the norm within the bound?" (optim.clip_grad_norm) and the seed of each
+    dropout mask (keep_mask), both on CPU only, where no device runs ahead to wait for
+    (tests/test_trainer.py checks that a step reads nothing else)."""
+    if t.device.type != "cpu":
+        raise ValueError(f"cpu_value: a {t.device.type} tensor; reading it would make the host wait for the device")
+    return t.item()
+
+
 def keep_mask(shape: tuple[int, ...], p: float, device: torch.device) -> tuple[torch.Tensor, float]:
-    """A dropout keep-mask, uint8 (1 = kept; `.view(torch.bool)` reads it as a bool mask), with
+    """A CPU dropout keep-mask, uint8 (1 = kept; `.view(torch.bool)` reads it as a bool mask), with
     P(drop) = p rounded to 1/65536, and the scale 1 / P(keep) of that rounded p, so the expectation
-    is kept exactly. Four 16-bit uniforms per 64-bit draw of the generator: on CPU about 10x faster
-    than the bernoulli_ behind F.dropout (measured 110 M elements/s against ~1000 on this project's
-    2-core EPYC), which drew half the time of a forward. The comparison writes uint8 (~4x faster
-    than a bool result on that CPU)."""
+    is kept exactly.
+
+    The bits: one 63-bit seed drawn from torch's CPU generator (so `torch.manual_seed` fixes the
+    masks, and checkpointing's RNG replay redraws the same seed and so the same mask in a
+    recomputation), expanded by NumPy's SFC64 generator into four 16-bit uniforms per 64-bit draw.
+    PyTorch's CPU generator is a serial Mersenne Twister: the same bits from torch.randint took
+    56 ms of a minilm-l6 bf16 step (batch 32, length 128, 19 masks) on this project's 2-core EPYC,
+    SFC64 30 ms (F.dropout's bernoulli_ is slower than either). Neither splitting the draws over a
+    second thread nor drawing them in cache-sized blocks gained anything inside a step."""
+    if device.type != "cpu":
+        raise ValueError(f"keep_mask: CPU only (got {device.type}); other devices use F.dropout")
     n = math.prod(shape)
-    r = torch.randint(-2**63, 2**63 - 1, ((n + 3) // 4,), dtype=torch.int64, device=device)
+    g = np.random.SFC64(cpu_value(torch.randint(0, 2**63 - 1, (), dtype=torch.int64)))
     drops = round(p * 65536)  # of the 65536 values of an int16, this many drop
-    keep = torch.empty(shape, dtype=torch.uint8, device=device)
-    torch.ge(r.view(torch.int16)[:n].view(shape), drops - 32768, out=keep)
-    return keep, 65536 / (65536 - drops)
+    lanes = g.random_raw((n + 3) // 4).view(np.int16)[:n]
+    keep = np.greater_equal(lanes, drops - 32768).view(np.uint8)  # 1 byte per element, 1 = kept
+    return torch.from_numpy(keep).view(shape), 65536 / (65536 - drops)
 
 
 class _Dropout(torch.autograd.Function):

@@ -15,6 +15,7 @@ from torch import nn
 from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype
 
 from .config import RunConfig
+from .model import cpu_value
 
 
 @torch.no_grad()
@@ -39,19 +40,11 @@ def clip_grad_norm(params, max_norm: float | None) -> torch.Tensor:
     if not max_norm:
         return total
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    if device.type == "cpu" and all(g.device.type == "cpu" for g in grads) and _cpu_value(coef) == 1.0:
+    if device.type == "cpu" and all(g.device.type == "cpu" for g in grads) and cpu_value(coef) == 1.0:
         return total
     for g in groups:
         torch._foreach_mul_(g, coef.to(g[0].device))
     return total
-
-
-def _cpu_value(t: torch.Tensor) -> float:
-    """The training step's one read of a tensor's value on the host: a CPU tensor's, where there
-    is no device to wait for (tests/test_trainer.py checks that a step reads nothing else)."""
-    if t.device.type != "cpu":
-        raise ValueError(f"_cpu_value: a {t.device.type} tensor; reading it would make the host wait for the device")
-    return t.item()
 
 
 class Lamb(torch.optim.Optimizer):
