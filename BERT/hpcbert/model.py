@@ -197,9 +197,16 @@ def keep_mask(shape: tuple[int, ...], p: float, device: torch.device) -> tuple[t
     if device.type != "cpu":
         raise ValueError(f"keep_mask: CPU only (got {device.type}); other devices use F.dropout")
     n = math.prod(shape)
-    g = np.random.SFC64(cpu_value(torch.randint(0, 2**63 - 1, (), dtype=torch.int64)))
+    seed = torch.randint(0, 2**63 - 1, (), dtype=torch.int64)
     drops = round(p * 65536)  # of the 65536 values of an int16, this many drop
-    lanes = g.random_raw((n + 3) // 4).view(np.int16)[:n]
+    if torch.compiler.is_compiling() or type(seed) is not torch.Tensor:
+        # Traced (torch.compile) or shapes only (FakeTensorMode: hpcbert plan): no value to seed
+        # NumPy with; a mask of the same shape, dtype and rate from torch's generator, in ops
+        # that trace.
+        bits = torch.randint(-2**63, 2**63 - 1, ((n + 3) // 4,), dtype=torch.int64)
+        keep = torch.ge(bits.view(torch.int16)[:n], drops - 32768).to(torch.uint8)
+        return keep.view(shape), 65536 / (65536 - drops)
+    lanes = np.random.SFC64(cpu_value(seed)).random_raw((n + 3) // 4).view(np.int16)[:n]
     keep = np.greater_equal(lanes, drops - 32768).view(np.uint8)  # 1 byte per element, 1 = kept
     return torch.from_numpy(keep).view(shape), 65536 / (65536 - drops)
 
@@ -255,15 +262,18 @@ class _CpuAttention(torch.autograd.Function):
         D = H // n_head
         out = qkv.new_empty(n, H)
         saved, scale = [], 1.0
+        if p:  # one mask for every group's (nb, N, L, L) probabilities: one draw, sliced per group
+            keeps, scale = keep_mask((sum(nb * n_head * L * L for _, nb, L in groups),), p, qkv.device)
+            ends = list(itertools.accumulate(nb * n_head * L * L for _, nb, L in groups))
         with torch.autocast("cpu", enabled=False):  # in qkv's dtype; the softmax accumulates in fp32
-            for r0, nb, L in groups:
+            for i, (r0, nb, L) in enumerate(groups):
                 q, k, v = _heads(qkv[r0:r0 + nb * L], nb, L, n_head, D)    # 3 x (nb, N, L, D)
                 S = (q * D ** -0.5) @ k.transpose(-1, -2)                   # (nb, N, L, L)
                 # bf16 in, bf16 out: PyTorch's CPU softmax accumulates reduced precision in fp32
                 # (bit-equal to softmax in fp32 then rounded, without the two (L, L) casts)
                 P = torch.softmax(S, -1)
                 if p:
-                    keep, scale = keep_mask(tuple(P.shape), p, P.device)
+                    keep = keeps[ends[i] - nb * n_head * L * L:ends[i]].view(P.shape)
                     saved += [P, keep]
                     # out of place: selective checkpointing keeps this bmm's output and hands the
                     # same tensor back in the recomputation, where an in-place scale would apply twice.
