@@ -111,6 +111,34 @@ def test_recommended_batch_is_the_smallest_within_two_percent():
     assert plan.recommended_batch(s, o, 3) == 3 and plan.recommended_batch(s, o, 0) == 0
 
 
+def _policy(name, largest, cost, t_seq=0.01, t_opt=0.5):
+    return plan.PolicyPlan(name, 1, 1, largest, cost, largest / (largest * cost * t_seq + t_opt))
+
+
+def test_the_plan_recomputes_only_where_the_batch_needs_it():
+    t_seq, t_opt = 0.01, 0.5
+    # by hand: within 2% of 10000 / (10000 x 0.01 + 0.5) = 99.50 seq/s takes b / (0.01 b + 0.5) >= 97.51,
+    # i.e. b >= 97.51 x 0.5 / (1 - 0.9751) = 1960
+    need = plan.recommended_batch(t_seq, t_opt, 10_000)
+    assert need == 1960
+    # none fits that batch: none, though selective (equal predicted cost) and all fit more
+    best, b = plan.choose([_policy("none", need, 1.0), _policy("selective", 10_000, 1.0),
+                           _policy("all", 20_000, 4 / 3)], t_seq, t_opt)
+    assert (best, b) == ("none", need)
+    # none fits too few to get within 2%: the cheapest policy that does
+    best, b = plan.choose([_policy("none", 100, 1.0), _policy("alternate", 10_000, 1.17),
+                           _policy("all", 20_000, 4 / 3)], t_seq, t_opt)
+    assert best == "alternate"
+    # and nothing fits: no recommendation
+    assert plan.choose([plan.PolicyPlan("none", 1, 1, 0, 1.0, None)], t_seq, t_opt) == (None, 0)
+
+
+def test_plenty_of_memory_recommends_no_recomputation():
+    p = plan.make_plan(CFG, 8 * 2**30, "cpu")
+    assert p.get("none").largest_batch >= p.best_batch >= 1
+    assert p.best_policy == "none"
+
+
 def test_auto_batch_and_policy_resolve_from_the_plan(monkeypatch):
     monkeypatch.setattr(plan, "device_free_memory", lambda device: 3 * 2**30)
     # fixed device constants: the CPU's are measured (bandwidth), and differ from call to call

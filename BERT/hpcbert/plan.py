@@ -21,8 +21,9 @@ fastest policy and batch, predicted before a run starts.
       offload per sequence max(compute, the saved bytes out to the host and back over its link)
       t_opt   the optimizer's memory traffic (read and write parameters, gradients and both
               moments: 32 bytes per parameter) / the device's memory bandwidth
-    The fastest policy is the one with the highest throughput at its largest batch; its batch is
-    the smallest one within 2% of that (a bigger batch only amortises t_opt further).
+    The recommendation is the smallest batch within 2% of the highest predicted throughput (any
+    policy at its largest batch; a bigger batch only amortises t_opt further), with the cheapest
+    policy that reaches it: none wherever the batch fits without recomputation.
 """
 
 from __future__ import annotations
@@ -213,22 +214,38 @@ def make_plan(cfg: RunConfig, memory_bytes: int | None = None, device=None,
             seq_time = max(seq_time, 2 * (none_act - act) / link)
         plans.append(PolicyPlan(p, act, workspace, largest, seq_time / t_seq,
                                 largest / (largest * seq_time + t_opt) if largest else None))
-    ok = [p for p in plans if p.seq_per_s]
-    best = max(ok, key=lambda p: (p.seq_per_s, -p.cost)) if ok else None
-    batch = recommended_batch(best.cost * t_seq, t_opt, best.largest_batch) if best else 0
+    best, batch = choose(plans, t_seq, t_opt)
     return Plan(cfg.model, cfg.max_seq_length, precision, cfg.optimizer, _device_name(device), int(memory_bytes),
-                state, plans, best.policy if best else None, batch, t_seq, t_opt)
+                state, plans, best, batch, t_seq, t_opt)
 
 
-def recommended_batch(seq_time: float, t_opt: float, largest: int) -> int:
-    """The smallest batch b whose throughput b / (b seq_time + t_opt) is within WITHIN of the
-    throughput at `largest`."""
+def choose(plans: list[PolicyPlan], t_seq: float, t_opt: float) -> tuple[str | None, int]:
+    """(policy, batch) to recommend: the smallest batch within WITHIN of the highest predicted
+    throughput (any policy at its largest batch), under the policy of lowest cost that reaches it
+    (at equal cost the one listed first, so none before selective): a policy that recomputes is
+    chosen only where what it fits is needed to get there."""
+    ok = [p for p in plans if p.seq_per_s]
+    if not ok:
+        return None, 0
+    target = (1 - WITHIN) * max(p.seq_per_s for p in ok)
+    reach = [(p.cost, i, b, p.policy) for i, p in enumerate(ok)
+             if (b := recommended_batch(p.cost * t_seq, t_opt, p.largest_batch, target))]
+    _, _, batch, policy = min(reach)
+    return policy, batch
+
+
+def recommended_batch(seq_time: float, t_opt: float, largest: int, target: float | None = None) -> int:
+    """The smallest batch b <= `largest` whose throughput b / (b seq_time + t_opt) is at least
+    `target` (default: within WITHIN of the throughput at `largest`); 0 where none is."""
     if largest < 1:
         return 0
     def rate(b: int) -> float:
         return b / (b * seq_time + t_opt)
 
-    target = (1 - WITHIN) * rate(largest)
+    if target is None:
+        target = (1 - WITHIN) * rate(largest)
+    if rate(largest) < target:
+        return 0
     # b / (b s + o) >= target  <=>  b (1 - target s) >= target o; then one step either way for rounding
     b = min(largest, max(1, math.ceil(target * t_opt / (1 - target * seq_time))))
     while b > 1 and rate(b - 1) >= target:
