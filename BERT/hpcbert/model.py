@@ -262,9 +262,10 @@ class _CpuAttention(torch.autograd.Function):
         D = H // n_head
         out = qkv.new_empty(n, H)
         saved, scale = [], 1.0
-        if p:  # one mask for every group's (nb, N, L, L) probabilities: one draw, sliced per group
-            keeps, scale = keep_mask((sum(nb * n_head * L * L for _, nb, L in groups),), p, qkv.device)
-            ends = list(itertools.accumulate(nb * n_head * L * L for _, nb, L in groups))
+        if p:  # one mask for every group's (nb, N, L, L) probabilities: one draw, split per group
+            sizes = [nb * n_head * L * L for _, nb, L in groups]
+            keeps, scale = keep_mask((sum(sizes),), p, qkv.device)
+            keeps = keeps.split(sizes)
         with torch.autocast("cpu", enabled=False):  # in qkv's dtype; the softmax accumulates in fp32
             for i, (r0, nb, L) in enumerate(groups):
                 q, k, v = _heads(qkv[r0:r0 + nb * L], nb, L, n_head, D)    # 3 x (nb, N, L, D)
@@ -273,7 +274,7 @@ class _CpuAttention(torch.autograd.Function):
                 # (bit-equal to softmax in fp32 then rounded, without the two (L, L) casts)
                 P = torch.softmax(S, -1)
                 if p:
-                    keep = keeps[ends[i] - nb * n_head * L * L:ends[i]].view(P.shape)
+                    keep = keeps[i].view(P.shape)
                     saved += [P, keep]
                     # out of place: selective checkpointing keeps this bmm's output and hands the
                     # same tensor back in the recomputation, where an in-place scale would apply twice.
