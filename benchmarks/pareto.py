@@ -22,6 +22,7 @@ import datetime
 import os
 import platform
 import shlex
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -90,8 +91,6 @@ def machine(threads: int) -> dict:
     from hpcbert.policies import device_has_native_bf16
 
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    import subprocess
-
     commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short=12", "HEAD"], capture_output=True,
                             text=True).stdout.strip() or None
     dirty = bool(subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--", "BERT"], capture_output=True,

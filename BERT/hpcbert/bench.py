@@ -17,7 +17,7 @@ option can be given to change what is benchmarked.
    per policy (what the bench did first) moved the ratios by up to 8% from one bench to the next,
    a new batch per block (the fastest of two) by 7%, and this scheme by up to 10% on a busy day
    of the project's shared 2-core host, within 2% over three consecutive fp32 benches on a quieter
-   one, and within 2.3% over three bf16 benches of the batches of steps 3 to 10 on an AVX512-BF16
+   one, and within 1.3% over three bf16 benches of the batches of steps 3 to 10 on an AVX512-BF16
    host (results/bench/, its checkout-1/ and checkout-2/): compare within one bench.
 2. Runs: one short time-boxed run per policy, each in its own process, through the whole loop
    (`hpcbert train`), for what only a run has: start-up, peak memory, steps in the box, MFU, the
