@@ -300,11 +300,14 @@ def hpcbert_run(name: str, work: Path, threads: int, args: list[str], max_wait_s
 def hpcbert_mrpc_args(glue: Path, precision: str, seed: int, max_steps: int | None = None,
                       epochs: float | None = None, sampler: str | None = None, do_eval: bool = False,
                       warmup_excluded: int | None = None, log_every: int | None = None,
-                      task: str = TASK) -> list[str]:
-    a = ["--task", task, "--data-dir", str(glue), "--model", MODEL, "--max-seq-length", str(SEQ_LEN),
-         "--batch-size", str(BATCH), "--lr", str(LR), "--optimizer", "adamw", "--weight-decay", str(WEIGHT_DECAY),
+                      task: str = TASK, model: str = MODEL, batch: int = BATCH,
+                      tokenizer: str | None = None) -> list[str]:
+    a = ["--task", task, "--data-dir", str(glue), "--model", model, "--max-seq-length", str(SEQ_LEN),
+         "--batch-size", str(batch), "--lr", str(LR), "--optimizer", "adamw", "--weight-decay", str(WEIGHT_DECAY),
          "--warmup-ratio", str(WARMUP_RATIO), "--max-grad-norm", str(MAX_GRAD_NORM), "--precision", precision,
          "--seed", str(seed), "--eval-batch-size", str(EVAL_BATCH)]
+    if tokenizer is not None:
+        a += ["--tokenizer", str(tokenizer)]
     if max_steps is not None:
         a += ["--max-steps", str(max_steps)]
     if epochs is not None:
@@ -349,9 +352,10 @@ def hpcbert_record(s: dict) -> dict:
 def hf_run(name: str, work: Path, threads: int, glue: Path, out_json: Path, *, padding: str, precision: str,
            seed: int, max_steps: int | None = None, epochs: float = 3.0, do_eval: bool = False,
            warmup_excluded: int = 5, optim: str | None = None, max_wait_s: float = 0.0, task: str = TASK,
-           order: str = "random", host_allocator: str = "system") -> dict:
+           order: str = "random", host_allocator: str = "system", model: str = MODEL, batch: int = BATCH,
+           tokenizer: str | None = None) -> dict:
     cmd = [sys.executable, str(Path(__file__).resolve()), "_hf-worker", "--data-dir", str(glue), "--task", task,
-           "--order", order, "--host-allocator", host_allocator,
+           "--order", order, "--host-allocator", host_allocator, "--model", model, "--batch-size", str(batch),
            "--out", str(out_json), "--scratch", str(work / "hf-scratch" / name), "--padding", padding,
            "--precision", precision, "--seed", str(seed), "--threads", str(threads), "--epochs", str(epochs),
            "--warmup-steps-excluded", str(warmup_excluded)]
@@ -361,6 +365,8 @@ def hf_run(name: str, work: Path, threads: int, glue: Path, out_json: Path, *, p
         cmd += ["--do-eval"]
     if optim:
         cmd += ["--optim", optim]
+    if tokenizer:
+        cmd += ["--tokenizer", str(tokenizer)]
     say(f"trainer {name}: padding={padding} order={order} precision={precision} seed={seed} host_allocator={host_allocator} "
         f"{'max_steps=' + str(max_steps) if max_steps else 'epochs=' + str(epochs)}")
     noise = run_logged(cmd, work / "logs" / f"hf-{name}.log", threads, max_wait_s)
@@ -455,6 +461,11 @@ def hf_worker(argv: list[str]) -> int:
     p.add_argument("--host-allocator", choices=("system", "retain"), default="system",
                    help="retain: glibc malloc set as hpcbert sets it for its runs (hpcbert.dist."
                         "tune_host_allocator), to show what of hpcbert's lead that setting alone gives")
+    p.add_argument("--model", default=MODEL,
+                   help="minilm-l6 (its pretrained weights) or one of hpcbert's random shapes (bert-base, ...): "
+                        "transformers' BertForSequenceClassification of that shape, random init")
+    p.add_argument("--batch-size", type=int, default=BATCH)
+    p.add_argument("--tokenizer", default=None, help="tokenizer directory (default: minilm-l6's)")
     a = p.parse_args(argv)
     t_process = time.perf_counter()
     if a.host_allocator == "retain":
@@ -471,17 +482,17 @@ def hf_worker(argv: list[str]) -> int:
 
     from hpcbert.data.glue import read_split
     from hpcbert.data.metrics import accuracy, f1_binary
-    from hpcbert.zoo import minilm_dir
+    from hpcbert.zoo import RANDOM_SHAPES, minilm_dir
 
     torch.set_num_threads(a.threads)
     datasets.disable_progress_bars()
-    model_dir = str(minilm_dir())
+    model_dir = str(minilm_dir()) if a.model == "minilm-l6" else None
     train_ex = read_split(a.data_dir, a.task, "train")
     dev_ex = read_split(a.data_dir, a.task, "dev")
 
     # Tokenise as run_glue.py: tokenizer(*pairs, padding=..., max_length=128, truncation=True);
     # padding="max_length" for its default pad_to_max_length=True, else no padding + DataCollatorWithPadding.
-    tok = AutoTokenizer.from_pretrained(model_dir)
+    tok = AutoTokenizer.from_pretrained(a.tokenizer or model_dir or str(minilm_dir()))
     pad = "max_length" if a.padding == "max_length" else False
 
     pairs = train_ex[0].text_b is not None
@@ -498,11 +509,17 @@ def hf_worker(argv: list[str]) -> int:
     collator = default_data_collator if a.padding == "max_length" else DataCollatorWithPadding(tok)
 
     transformers.set_seed(a.seed)  # the new classifier head is drawn from this seed
-    model = AutoModelForSequenceClassification.from_pretrained(model_dir, num_labels=2)
-    total = a.max_steps or math.ceil(a.epochs * steps_per_epoch(len(train_ds)))
+    if model_dir:
+        model = AutoModelForSequenceClassification.from_pretrained(model_dir, num_labels=2)
+    else:  # a published shape, random weights (as hpcbert's random models)
+        L, H, A, I = RANDOM_SHAPES[a.model]
+        model = AutoModelForSequenceClassification.from_config(transformers.BertConfig(
+            vocab_size=len(tok), hidden_size=H, num_hidden_layers=L, num_attention_heads=A, intermediate_size=I,
+            num_labels=2))
+    total = a.max_steps or math.ceil(a.epochs * steps_per_epoch(len(train_ds), a.batch_size))
     warm = warmup_steps(total)
     kwargs = dict(
-        output_dir=a.scratch, per_device_train_batch_size=BATCH, per_device_eval_batch_size=EVAL_BATCH,
+        output_dir=a.scratch, per_device_train_batch_size=a.batch_size, per_device_eval_batch_size=EVAL_BATCH,
         learning_rate=LR, weight_decay=WEIGHT_DECAY, adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=ADAM_EPS,
         max_grad_norm=MAX_GRAD_NORM, lr_scheduler_type="linear", warmup_steps=warm,
         num_train_epochs=a.epochs, max_steps=a.max_steps if a.max_steps else -1,
@@ -527,7 +544,7 @@ def hf_worker(argv: list[str]) -> int:
             # hpcbert's first-epoch order for this seed (data.features.epoch_order, --sampler random):
             # cut into batches of 32 in order, so both sides train on the same batches.
             from hpcbert.data.features import epoch_order
-            order = epoch_order(np.zeros(len(self.train_dataset)), "random", a.seed, 0, BATCH).tolist()
+            order = epoch_order(np.zeros(len(self.train_dataset)), "random", a.seed, 0, a.batch_size).tolist()
             return order  # a list is a valid sampler (an iterable of indices with a length)
 
     timer = StepTimer()
@@ -547,6 +564,7 @@ def hf_worker(argv: list[str]) -> int:
     steady_seqs = sum(seqs[w:])
     result = {
         "side": "transformers.Trainer",
+        "model": a.model, "batch_size": a.batch_size,
         "padding": a.padding, "precision": a.precision, "seed": a.seed,
         "optim": str(args.optim.value if hasattr(args.optim, "value") else args.optim),
         "attn_implementation": getattr(model.config, "_attn_implementation", None),

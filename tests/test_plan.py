@@ -217,3 +217,12 @@ def test_predicted_largest_batch_against_probing_on_the_gpu(policy):
     torch.cuda.set_per_process_memory_fraction(1.0, dev)
     print(f"{policy}: predicted {predicted}, probed {probed}")
     assert predicted <= probed <= 1.25 * predicted + 1
+
+
+def test_offload_is_bounded_by_the_host_memory_its_pinned_activations_take():
+    # hand values: 100 MiB per sequence moved out, 64 GiB host -> half of it holds 327 sequences
+    mib, gib = 2**20, 2**30
+    batch, note = plan.offload_largest(1000, 100 * mib, 64 * gib)
+    assert batch == 327 and "host-bound" in note and "100 MiB/seq" in note
+    assert plan.offload_largest(200, 100 * mib, 64 * gib) == (200, "")  # the device is the tighter bound
+    assert plan.offload_largest(200, 0, 64 * gib) == (200, "")          # nothing moved out

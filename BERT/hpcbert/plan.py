@@ -13,6 +13,8 @@ fastest policy and batch, predicted before a run starts.
                    one layer plus, where the layer recomputes, that layer's activations again: twice
                    one plain layer's bytes
     A fraction of the memory (5% on CUDA, for the allocator's fragmentation) is kept free.
+    offload also keeps, per sequence, what it moves out (none's activations minus its own) in pinned
+    host memory: its largest batch is also bounded by HOST_SHARE of the host's available memory.
 
     time(policy, b) = b x t_seq x cost(policy) + t_opt, throughput = b / time
       t_seq   training FLOPs of one sequence (model.flops_per_sequence) / (peak FLOP/s x 0.5)
@@ -43,6 +45,7 @@ MFU_ASSUMED = 0.5          # share of the peak a training step reaches (for the 
 FRAGMENTATION = 0.05       # CUDA: memory kept free for the caching allocator
 WITHIN = 0.02              # the recommended batch: the smallest within this of the best throughput
 OPT_BYTES_PER_PARAM = 32   # optimizer step traffic: read + write of parameter, gradient, two moments
+HOST_SHARE = 0.5           # offload: share of the host's available memory its pinned activations may take
 
 # Device memory bandwidth (data sheets) and host link (PCIe x16, usable one way) for the time model.
 GPU_BANDWIDTH = [(r"H200", 4.8e12, 50e9), (r"H100.*NVL", 3.9e12, 50e9), (r"H100.*PCIe", 2.0e12, 50e9),
@@ -174,9 +177,10 @@ def device_constants(device) -> tuple[float, float, float | None, str]:
 
 
 def make_plan(cfg: RunConfig, memory_bytes: int | None = None, device=None,
-              policies_: tuple[str, ...] = PLAN_POLICIES) -> Plan:
+              policies_: tuple[str, ...] = PLAN_POLICIES, host_bytes: int | None = None) -> Plan:
     """The plan for `cfg`'s model, length, precision and optimizer on `device` (default: this
-    process's) with `memory_bytes` (default: the device's free memory)."""
+    process's) with `memory_bytes` (default: the device's free memory) and, for offload,
+    `host_bytes` of host memory (default: the host's available memory)."""
     import torch
 
     from . import policies
@@ -208,15 +212,31 @@ def make_plan(cfg: RunConfig, memory_bytes: int | None = None, device=None,
         act = measured[p][0]
         workspace = int(per_layer * (1 if p in ("none", "offload") else 2))
         largest = max(0, int(free // (act + workspace)))
+        note = ""
+        if p == "offload":
+            largest, note = offload_largest(largest, none_act - act, host_bytes if host_bytes is not None
+                                            else device_free_memory(torch.device("cpu")))
         recomputed = 0 if p in ("none", "selective", "offload") else len(policies.ckpt_layer_indices(p, L))
         seq_time = t_seq * (1.0 + recomputed / (3 * L))
         if p == "offload" and link:
             seq_time = max(seq_time, 2 * (none_act - act) / link)
         plans.append(PolicyPlan(p, act, workspace, largest, seq_time / t_seq,
-                                largest / (largest * seq_time + t_opt) if largest else None))
+                                largest / (largest * seq_time + t_opt) if largest else None, note))
     best, batch = choose(plans, t_seq, t_opt)
     return Plan(cfg.model, cfg.max_seq_length, precision, cfg.optimizer, _device_name(device), int(memory_bytes),
                 state, plans, best, batch, t_seq, t_opt)
+
+
+def offload_largest(device_largest: int, host_bytes_per_sequence: int, host_bytes: int) -> tuple[int, str]:
+    """offload's largest batch: what the device fits, and at most what HOST_SHARE of `host_bytes`
+    holds of the activations it moves to pinned host memory; (batch, note naming the bound that won)."""
+    if host_bytes_per_sequence <= 0:
+        return device_largest, ""
+    host_largest = int(HOST_SHARE * host_bytes // host_bytes_per_sequence)
+    if host_largest < device_largest:
+        return host_largest, (f"host-bound: {host_bytes_per_sequence / 2**20:.0f} MiB/seq pinned in "
+                              f"{HOST_SHARE:.0%} of {host_bytes / 2**30:.0f} GiB host memory")
+    return device_largest, ""
 
 
 def choose(plans: list[PolicyPlan], t_seq: float, t_opt: float) -> tuple[str | None, int]:

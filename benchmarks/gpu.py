@@ -1,0 +1,362 @@
+#!/usr/bin/env python
+"""hpcbert on one CUDA GPU: against the Trainer on equal batches, MFU, and bert-large at length 512
+per checkpointing policy (largest batch, planned and probed, and sequences/s). A measurement, not a
+test; results/gpu/README.md is generated from the JSON files it writes (`render`).
+
+    python benchmarks/gpu.py throughput --data-dir GLUE_DIR [--tokenizer DIR]   hpcbert vs Trainer, bert-base
+    python benchmarks/gpu.py mfu [--batches 256]                                 hpcbert alone, synthetic
+    python benchmarks/gpu.py large [--memory 24GiB]                              bert-large 512, every policy
+    python benchmarks/gpu.py render                                              results/gpu/README.md
+
+throughput: bert-base (random weights, the published shape) at max length 128, bf16, MRPC, the same
+batches on both sides (hpcbert's random order given to the Trainer as its sampler), each run its own
+process, hpcbert and Trainer interleaved; the helpers and the Trainer worker are compare_hf.py's.
+Both sides time the same span (compare_hf.SPAN_NOTE) and synchronise the device at a step's end.
+MFU counts the model FLOPs of the real tokens (hpcbert.model.batch_flops) against the GPU's
+data-sheet bf16 peak; on equal batches the Trainer does the same FLOPs per step, so its MFU is
+hpcbert's divided by the ratio.
+
+large: one process; per policy a fresh copy of the model on the GPU under a memory cap
+(torch.cuda.set_per_process_memory_fraction), the largest batch whose whole training step
+(forward, backward, AdamW step) fits, found by doubling and bisection, beside `hpcbert plan`'s
+prediction for that cap; then sequences/s of whole steps at the probed batch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import gc
+import os
+import shlex
+import statistics
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+import compare_hf as C  # noqa: E402  (subprocess runs, the Trainer worker, machine info, JSON I/O)
+
+RESULTS = C.ROOT / "results" / "gpu"
+MODEL = "bert-base"
+POLICIES = ("none", "selective", "alternate", "all", "offload")
+
+
+def say(msg: str) -> None:
+    print(f"[gpu {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def need_cuda():
+    import torch
+    if not torch.cuda.is_available() and not os.environ.get("HPCBERT_GPU_BENCH_ON_CPU"):  # smoke runs of the script
+        sys.exit("benchmarks/gpu.py: needs a CUDA device (torch.cuda.is_available() is False)")
+    return torch
+
+
+def cmd_throughput(a) -> int:
+    need_cuda()
+    glue, work = C.glue_root(a.data_dir, a.task), Path(a.work_dir)
+    batches = [int(b) for b in a.batches.split(",")]
+    doc = C.header("gpu-throughput", a.threads)
+    doc["settings"] = {"task": a.task, "model": MODEL, "max_seq_length": C.SEQ_LEN, "precision": "bf16",
+                       "batches": batches, "steps": a.steps, "warmup_steps_excluded": a.warmup_excluded,
+                       "repeats": a.repeats, "seed": C.SEED, "hf_optim": a.hf_optim}
+    doc["runs"] = []
+    path = Path(a.results_dir) / "throughput.json"
+    for rep in range(1, a.repeats + 1):
+        for B in batches:
+            name = f"gpu-{a.task}-b{B}-r{rep}"
+            s = C.hpcbert_run(f"{name}-hp", work, a.threads, C.hpcbert_mrpc_args(
+                glue, "bf16", C.SEED, max_steps=a.steps, sampler="random", warmup_excluded=a.warmup_excluded,
+                log_every=1, task=a.task, model=MODEL, batch=B, tokenizer=a.tokenizer))
+            hp = C.hpcbert_record(s)
+            hp.update(side="hpcbert", batch=B, repeat=rep, mfu=s.get("mfu"), peak_flops=s.get("peak_flops"),
+                      peak_flops_source=s.get("peak_flops_source"), model_flops_per_sec=s.get("model_flops_per_sec"),
+                      attention=s.get("attention"))
+            hf = C.hf_run(f"{name}-hf", work, a.threads, glue, work / "hf-json" / f"{name}.json", padding="dynamic",
+                          precision="bf16", seed=C.SEED, max_steps=a.steps, warmup_excluded=a.warmup_excluded,
+                          optim=a.hf_optim, task=a.task, order="hpcbert-random", model=MODEL, batch=B,
+                          tokenizer=a.tokenizer)
+            hf.update(side="hf", batch=B, repeat=rep)
+            doc["runs"] += [hp, hf]
+            say(f"{name}: hpcbert {hp['steady_sequences_per_sec']:.0f} seq/s (MFU {hp['mfu'] or 0:.1%}), "
+                f"Trainer {hf['steady_sequences_per_sec']:.0f} seq/s")
+            doc["summary"] = throughput_summary(doc)
+            C.write_json(path, doc)
+    print(render(Path(a.results_dir)))
+    return 0
+
+
+def throughput_summary(doc: dict) -> list[dict]:
+    out = []
+    for B in doc["settings"]["batches"]:
+        pairs = {}
+        for r in doc["runs"]:
+            if r["batch"] == B:
+                pairs.setdefault(r["repeat"], {})[r["side"]] = r
+        full = [p for p in pairs.values() if len(p) == 2]
+        if not full:
+            continue
+        ratios = [p["hpcbert"]["steady_sequences_per_sec"] / p["hf"]["steady_sequences_per_sec"] for p in full]
+        mfus = [p["hpcbert"]["mfu"] for p in full if p["hpcbert"].get("mfu")]
+        out.append({"batch": B, "repeats": len(full),
+                    "hpcbert_seq_per_s": [p["hpcbert"]["steady_sequences_per_sec"] for p in full],
+                    "hf_seq_per_s": [p["hf"]["steady_sequences_per_sec"] for p in full],
+                    "ratio_per_repeat": ratios, "ratio_median": statistics.median(ratios),
+                    "hpcbert_mfu_median": statistics.median(mfus) if mfus else None,
+                    "hf_mfu_median": statistics.median(m / r for m, r in zip(mfus, ratios)) if mfus else None,
+                    "hf_optim": full[0]["hf"].get("optim"), "hf_attention": full[0]["hf"].get("attn_implementation")})
+    return out
+
+
+def cmd_mfu(a) -> int:
+    need_cuda()
+    work = Path(a.work_dir)
+    doc = C.header("gpu-mfu", a.threads)
+    doc["settings"] = {"task": "synthetic", "model": MODEL, "max_seq_length": C.SEQ_LEN, "precision": "bf16",
+                       "steps": a.steps, "warmup_steps_excluded": a.warmup_excluded, "compile": a.compile}
+    doc["runs"] = []
+    path = Path(a.results_dir) / "mfu.json"
+    for B in [int(b) for b in a.batches.split(",")]:
+        for comp in a.compile.split(","):
+            args = ["--task", "synthetic", "--model", MODEL, "--max-seq-length", str(C.SEQ_LEN), "--batch-size",
+                    str(B), "--precision", "bf16", "--max-steps", str(a.steps), "--synthetic-train-size",
+                    str(B * (a.steps + 1)), "--warmup-steps-excluded", str(a.warmup_excluded), "--no-do-eval",
+                    "--no-save-model", "--compile", comp, "--log-every", "1"]
+            if a.tokenizer:
+                args += ["--tokenizer", a.tokenizer]
+            s = C.hpcbert_run(f"gpu-mfu-b{B}-compile-{comp}", work, a.threads, args)
+            rec = {"batch": B, "compile": comp, "mfu": s.get("mfu"), "peak_flops": s.get("peak_flops"),
+                   "peak_flops_source": s.get("peak_flops_source"),
+                   "model_flops_per_sec": s.get("model_flops_per_sec"),
+                   "steady_sequences_per_sec": s["steady_sequences_per_sec"], "tokens_per_sec": s["tokens_per_sec"],
+                   "padded_tokens_per_sec": s["padded_tokens_per_sec"],
+                   "steady_step_time_s": s["steady_step_time_s"], "wall_s": s["_wall_s"],
+                   "attention": s.get("attention"), "argv": s["_argv"]}
+            doc["runs"].append(rec)
+            say(f"mfu batch {B} compile {comp}: {rec['steady_sequences_per_sec']:.0f} seq/s, MFU {rec['mfu'] or 0:.1%}")
+            C.write_json(path, doc)
+    print(render(Path(a.results_dir)))
+    return 0
+
+
+def cmd_large(a) -> int:
+    torch = need_cuda()
+    from hpcbert import objectives, plan, policies
+    from hpcbert.batching import largest_that_fits
+    from hpcbert.config import RunConfig
+    from hpcbert.optim import make_optimizer
+
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    cap = plan.parse_bytes(a.memory)
+    cuda = dev.type == "cuda"
+    total = torch.cuda.get_device_properties(dev).total_memory if cuda else cap
+
+    def set_cap(fraction: float) -> None:
+        if cuda:
+            torch.cuda.set_per_process_memory_fraction(fraction, dev)
+
+    def sync() -> None:
+        if cuda:
+            torch.cuda.synchronize(dev)
+    cfg = RunConfig(task="synthetic", model=a.model, max_seq_length=a.length, precision="bf16")
+    obj = objectives.get(cfg)
+    torch.manual_seed(0)
+    base = obj.build_model(plan._model_config(cfg)).train()  # on the host; a copy per policy goes to the GPU
+    doc = C.header("gpu-large", a.threads)
+    doc["settings"] = {"model": a.model, "max_seq_length": a.length, "precision": "bf16", "memory_cap_bytes": cap,
+                       "gpu_total_bytes": total, "timed_steps": a.steps}
+    doc["policies"] = []
+    path = Path(a.results_dir) / "large.json"
+    for policy in [p for p in a.policies.split(",") if p]:
+        set_cap(1.0)
+        predicted = plan.make_plan(cfg, cap, dev, (policy,)).policies[0]
+        model = copy.deepcopy(base).to(dev)
+        policies.apply_grad_ckpt(model, policy)
+        set_cap(cap / total)
+
+        def step(b: int, batch=None):
+            opt = make_optimizer(cfg, model, 1e-5, dev)
+            try:
+                batch, norm = obj.example_batch(b, a.length, model.config.vocab_size)
+                batch = batch.to(dev)
+                with policies.autocast("bf16", dev):
+                    loss = obj.loss(model, obj.forward(model, batch), batch, norm)
+                loss.backward()
+                opt.step()
+                sync()
+            finally:
+                model.zero_grad(set_to_none=True)
+                del opt, batch
+                gc.collect()
+                if cuda:
+                    torch.cuda.empty_cache()
+
+        def fits(b: int) -> bool:
+            try:
+                step(b)
+                return True
+            except torch.OutOfMemoryError:
+                return False
+
+        # up to twice the prediction; offload's pinned host memory only a little past it (the plan already
+        # allows it half the host's memory, and a probe past the host's would end the process)
+        limit = int(1.2 * predicted.largest_batch) + 1 if policy == "offload" else 2 * predicted.largest_batch + 8
+        t0 = time.perf_counter()
+        probed = largest_that_fits(fits, limit)
+        probe_s = time.perf_counter() - t0
+        times = []
+        if probed:
+            opt = make_optimizer(cfg, model, 1e-5, dev)
+            batch, norm = obj.example_batch(probed, a.length, model.config.vocab_size)
+            batch = batch.to(dev)
+            for i in range(1 + a.steps):
+                sync()
+                t = time.perf_counter()
+                with policies.autocast("bf16", dev):
+                    loss = obj.loss(model, obj.forward(model, batch), batch, norm)
+                loss.backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                sync()
+                if i:
+                    times.append(time.perf_counter() - t)
+            del opt, batch, loss
+        rec = {"policy": policy, "predicted_largest_batch": predicted.largest_batch,
+               "predicted_activation_bytes_per_sequence": predicted.activation_bytes_per_sequence,
+               "predicted_note": predicted.note, "probed_largest_batch": probed, "probe_limit": limit,
+               "probe_s": probe_s, "step_times_s": times,
+               "sequences_per_sec": probed / statistics.median(times) if times else None,
+               "peak_allocated_bytes": torch.cuda.max_memory_allocated(dev) if cuda else None}
+        doc["policies"].append(rec)
+        say(f"{a.model} {a.length} {policy}: predicted {predicted.largest_batch}, probed {probed} "
+            f"({probe_s:.0f} s), {rec['sequences_per_sec'] or 0:.1f} seq/s")
+        del model
+        gc.collect()
+        if cuda:
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(dev)
+        C.write_json(path, doc)
+    set_cap(1.0)
+    print(render(Path(a.results_dir)))
+    return 0
+
+
+def _where(doc: dict) -> str:
+    m = doc["machine"]
+    return (f"`{doc['command']}`, {doc['date']}, GPU {m.get('cuda')}, torch {m['torch']}, transformers "
+            f"{m.get('transformers')}, hpcbert {m['hpcbert_source'].get('note')}"
+            + (f" {str(m.get('git_commit'))[:12]}" if m.get("git_commit") else ""))
+
+
+def render(results: Path = RESULTS) -> str:
+    from hpcbert.report import markdown_grid
+    out = ["# hpcbert on a GPU", "", "Generated by `python benchmarks/gpu.py render` from the JSON files here; every "
+           "figure comes from the command listed under its table.", ""]
+    tp, mfu, large = (results / f for f in ("throughput.json", "mfu.json", "large.json"))
+    if tp.is_file():
+        doc = C.read_json(tp)
+        s = doc["settings"]
+        rows = [[str(r["batch"]), C._fmt_list(r["hpcbert_seq_per_s"], "{:.0f}"), C._fmt_list(r["hf_seq_per_s"], "{:.0f}"),
+                 C._fmt_list(r["ratio_per_repeat"]), f"**{r['ratio_median']:.2f}x**",
+                 f"{r['hpcbert_mfu_median']:.1%}" if r["hpcbert_mfu_median"] else "—",
+                 f"{r['hf_mfu_median']:.1%}" if r["hf_mfu_median"] else "—"] for r in doc.get("summary", [])]
+        out += [f"## Against the Trainer on equal batches: {s['model']}, {s['task'].upper()}, length "
+                f"{s['max_seq_length']}, {s['precision']}", "",
+                markdown_grid(["batch", "hpcbert seq/s", "Trainer seq/s", "ratio per repeat", "ratio (median)",
+                               "hpcbert MFU", "Trainer MFU"], rows).rstrip("\n"), "",
+                f"The same batches on both sides (hpcbert's random order as the Trainer's sampler), {s['steps']} steps, "
+                f"the first {s['warmup_steps_excluded']} left out; Trainer optim "
+                f"`{(doc.get('summary') or [{}])[0].get('hf_optim')}`, attention "
+                f"`{(doc.get('summary') or [{}])[0].get('hf_attention')}`. MFU: model FLOPs of the real tokens over "
+                f"the data-sheet bf16 peak; the Trainer's is hpcbert's over the ratio (equal batches, equal FLOPs).",
+                "", f"- {_where(doc)}", ""]
+    if mfu.is_file():
+        doc = C.read_json(mfu)
+        rows = [[str(r["batch"]), r["compile"], f"{r['steady_sequences_per_sec']:.0f}", f"{r['tokens_per_sec']:.0f}",
+                 f"{r['model_flops_per_sec'] / 1e12:.0f}" if r["model_flops_per_sec"] else "—",
+                 f"**{r['mfu']:.1%}**" if r["mfu"] else "—"] for r in doc["runs"]]
+        s = doc["settings"]
+        out += [f"## MFU: {s['model']}, synthetic task, length {s['max_seq_length']}, {s['precision']}", "",
+                markdown_grid(["batch", "--compile", "seq/s", "real tokens/s", "model TFLOP/s", "MFU"], rows).rstrip("\n"),
+                "", f"Synthetic pairs of lengths 8 to {s['max_seq_length']} (hpcbert's `--task synthetic`); "
+                f"{s['steps']} steps, the first {s['warmup_steps_excluded']} left out; peak: "
+                f"{doc['runs'][0]['peak_flops_source'] if doc['runs'] else '—'}.", "", f"- {_where(doc)}", ""]
+    if large.is_file():
+        doc = C.read_json(large)
+        s = doc["settings"]
+        rows = [[r["policy"], str(r["predicted_largest_batch"]) + (f" ({r['predicted_note']})" if r.get("predicted_note") else ""),
+                 str(r["probed_largest_batch"]) + (" (probe limit)" if r["probed_largest_batch"] == r.get("probe_limit") else ""),
+                 (f"{r['probed_largest_batch'] / r['predicted_largest_batch']:.2f}" if r["predicted_largest_batch"] else "—"),
+                 f"{r['sequences_per_sec']:.1f}" if r["sequences_per_sec"] else "—",
+                 f"{r['predicted_activation_bytes_per_sequence'] / 2**20:.0f}"
+                 if r["predicted_activation_bytes_per_sequence"] else "—"] for r in doc["policies"]]
+        out += [f"## {s['model']} at length {s['max_seq_length']}, {s['precision']}, under a "
+                f"{s['memory_cap_bytes'] / 2**30:.0f} GiB cap: largest batch and sequences/s per policy", "",
+                markdown_grid(["policy", "planned largest batch", "probed largest batch", "probed / planned",
+                               "seq/s at the probed batch", "planned activation MiB/seq"], rows).rstrip("\n"), "",
+                "Probed: the largest batch whose whole training step (forward, backward, AdamW step) fits under "
+                "`torch.cuda.set_per_process_memory_fraction`, by doubling and bisection; planned: `hpcbert plan` "
+                f"for the same cap. seq/s: median of {s['timed_steps']} whole steps at the probed batch, full-length "
+                "sequences.", "", f"- {_where(doc)}", ""]
+    if len(out) == 4:
+        out += ["Not measured yet.", ""]
+    return "\n".join(out)
+
+
+def cmd_render(a) -> int:
+    text = render(Path(a.results_dir))
+    (Path(a.results_dir) / "README.md").write_text(text)
+    print(text)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True)
+
+    def common(sp):
+        sp.add_argument("--results-dir", default=str(RESULTS))
+        sp.add_argument("--work-dir", default=str(C.ROOT / "runs" / "gpu"))
+        sp.add_argument("--threads", type=int, default=4)
+        sp.add_argument("--tokenizer", default=None, help="tokenizer directory (default: minilm-l6's)")
+
+    t = sub.add_parser("throughput")
+    common(t)
+    t.add_argument("--data-dir", default="../shared/data/glue")
+    t.add_argument("--task", default="mrpc", choices=tuple(C.TASK_FOLDERS))
+    t.add_argument("--batches", default="32,128")
+    t.add_argument("--steps", type=int, default=60)
+    t.add_argument("--warmup-excluded", type=int, default=10)
+    t.add_argument("--repeats", type=int, default=2)
+    t.add_argument("--hf-optim", default=None, help="TrainingArguments.optim (default: the Trainer's)")
+    m = sub.add_parser("mfu")
+    common(m)
+    m.add_argument("--batches", default="256")
+    m.add_argument("--steps", type=int, default=40)
+    m.add_argument("--warmup-excluded", type=int, default=10)
+    m.add_argument("--compile", default="off", help="comma-separated --compile values to run")
+    g = sub.add_parser("large")
+    common(g)
+    g.add_argument("--model", default="bert-large")
+    g.add_argument("--length", type=int, default=512)
+    g.add_argument("--memory", default="24GiB", help="the cap the probe runs under and the plan is made for")
+    g.add_argument("--policies", default=",".join(POLICIES))
+    g.add_argument("--steps", type=int, default=3)
+    r = sub.add_parser("render")
+    r.add_argument("--results-dir", default=str(RESULTS))
+    a = p.parse_args(argv)
+    C.use_hpcbert(None)
+    if not C.HPCBERT_SRC.get("commit") and os.environ.get("HPCBERT_COMMIT"):  # a copy of the tree without .git
+        C.HPCBERT_SRC.update(commit=os.environ["HPCBERT_COMMIT"], note="copy of commit")
+    if getattr(a, "tokenizer", None):
+        a.tokenizer = str(Path(a.tokenizer).resolve())
+    C.command_line = lambda: "python benchmarks/gpu.py " + shlex.join(sys.argv[1:])
+    Path(getattr(a, "results_dir")).mkdir(parents=True, exist_ok=True)
+    return {"throughput": cmd_throughput, "mfu": cmd_mfu, "large": cmd_large, "render": cmd_render}[a.command](a)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# One session on a lent GPU machine, in one call: the GPU benchmarks (benchmarks/gpu.py), then the
+# GPU tests (pytest -m gpu). Each part has its own time limit, so one that hangs leaves the rest;
+# the JSON files, the generated README and the logs go to $OUT (default gpu-out/).
+#
+#   bash benchmarks/gpu_session.sh [GLUE_DIR] [TOKENIZER_DIR]
+#
+# Without network access on the machine: the GLUE data and a tokenizer folder are passed as
+# arguments, and Python packages missing there can be put as wheels in .whl/ (installed to
+# /tmp/site with --no-deps --no-index). HPCBERT_COMMIT names the commit the tree was copied from.
+set -u
+cd "$(dirname "$0")/.."
+OUT=${OUT:-gpu-out}
+mkdir -p "$OUT"
+GLUE=${1:-../shared/data/glue}
+TOK=${2:-}
+export PYTHONPATH=$PWD/BERT${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+if compgen -G ".whl/*.whl" >/dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+        && export PYTHONPATH=$PYTHONPATH:/tmp/site
+fi
+{
+    date -u
+    nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv
+    python3 -c "import torch, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'transformers', transformers.__version__)"
+    nproc; free -g | head -2
+} > "$OUT/info.txt" 2>&1
+cat "$OUT/info.txt"
+tok=(); [ -n "$TOK" ] && tok=(--tokenizer "$TOK")
+part() {  # part SECONDS NAME COMMAND...
+    local limit=$1 name=$2; shift 2
+    local t0=$SECONDS
+    timeout -k 10 "$limit" "$@"
+    echo "== $name: exit $? after $((SECONDS - t0)) s (limit $limit s)"
+}
+part "${T_THROUGHPUT:-110}" throughput python3 benchmarks/gpu.py throughput --data-dir "$GLUE" "${tok[@]}" --results-dir "$OUT"
+part "${T_MFU:-40}" mfu python3 benchmarks/gpu.py mfu "${tok[@]}" --results-dir "$OUT"
+part "${T_LARGE:-120}" large python3 benchmarks/gpu.py large --results-dir "$OUT"
+python3 benchmarks/gpu.py render --results-dir "$OUT" >/dev/null
+part "${T_TESTS:-170}" "pytest -m gpu" python3 -m pytest -m gpu -n 0 -p no:cacheprovider -q -rA tests/ \
+    > "$OUT/pytest-gpu.log" 2>&1
+tail -40 "$OUT/pytest-gpu.log"
+cat "$OUT/README.md"
