@@ -148,7 +148,8 @@ def cmd_large(a) -> int:
     from hpcbert.config import RunConfig
     from hpcbert.optim import make_optimizer
 
-    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    # with its index: set_per_process_memory_fraction refuses a bare "cuda"
+    dev = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     cap = plan.parse_bytes(a.memory)
     cuda = dev.type == "cuda"
     total = torch.cuda.get_device_properties(dev).total_memory if cuda else cap
@@ -349,7 +350,7 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--results-dir", default=str(RESULTS))
     a = p.parse_args(argv)
     C.use_hpcbert(None)
-    if not C.HPCBERT_SRC.get("commit") and os.environ.get("HPCBERT_COMMIT"):  # a copy of the tree without .git
+    if os.environ.get("HPCBERT_COMMIT"):  # a copy of the tree whose .git (if any) is not the commit
         C.HPCBERT_SRC.update(commit=os.environ["HPCBERT_COMMIT"], note="copy of commit")
     if getattr(a, "tokenizer", None):
         a.tokenizer = str(Path(a.tokenizer).resolve())

@@ -186,7 +186,7 @@ def test_predicted_largest_batch_against_probing_on_the_gpu(policy):
     the plan's prediction for that limit."""
     from hpcbert.batching import largest_that_fits
 
-    dev = torch.device("cuda")
+    dev = torch.device("cuda", torch.cuda.current_device())  # set_per_process_memory_fraction needs the index
     cfg = RunConfig(task="synthetic", model="bert-base", max_seq_length=512, precision="bf16")
     limit = 8 * 2**30
     torch.cuda.set_per_process_memory_fraction(limit / torch.cuda.get_device_properties(dev).total_memory, dev)

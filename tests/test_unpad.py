@@ -330,15 +330,21 @@ def test_offload_is_refused_without_cuda():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_cuda_kernels_match_the_cpu_model(dtype):
+def test_cuda_kernels_match_the_cpu_model(dtype, monkeypatch):
     """On a GPU: flash varlen (bf16) or the padded SDPA path (fp32), dropout off, against the CPU
-    kernel on the same weights; offload and selective run there and give the same gradients."""
+    kernel's fp32 gradients on the same weights; offload and selective run there and give the same
+    gradients. bf16 rounding alone moves a gradient by a few percent (2.7% for the position
+    embeddings on an H100), so in bf16 each gradient may differ from fp32's by up to twice what
+    PyTorch's own padded SDPA path in bf16 does, or 2%."""
+    from hpcbert import model as M
+
     ours, _ = ours_and_hf()
     ids, mask, types, labels = padded_batch()
     loss = ours.loss_sum(ours(ids, mask, types), labels)
     loss.backward()
     ref = our_grads(ours)
-    for policy in ("none", "offload", "selective"):
+
+    def gpu_grads(policy: str) -> dict[str, torch.Tensor]:
         torch.manual_seed(0)
         gpu = BertForSequenceClassification(BertConfig(**TINY, **NO_DROPOUT)).cuda()
         gpu.load_state_dict(ours.state_dict())
@@ -346,8 +352,28 @@ def test_cuda_kernels_match_the_cpu_model(dtype):
         with torch.autocast("cuda", dtype=dtype, enabled=dtype != torch.float32):
             out = gpu.train()(ids.cuda(), mask.cuda(), types.cuda())
         gpu.loss_sum(out, labels.cuda()).backward()
-        grads = {k: v.float().cpu() for k, v in our_grads(gpu).items()}
-        assert_same_grads(grads, ref, tol=2e-2 if dtype == torch.bfloat16 else 1e-4)
+        return {k: v.float().cpu() for k, v in our_grads(gpu).items()}
+
+    # the key bias's gradient is zero in exact arithmetic (rounding noise on both sides): measured
+    # at a thousandth of the whole gradient's scale, about bf16's resolution
+    floor = 1e-3 * torch.cat([g.flatten() for g in ref.values()]).norm()
+
+    def rel(g: torch.Tensor, r: torch.Tensor) -> float:
+        return float((g - r).norm() / torch.maximum(r.norm(), floor))
+
+    if dtype == torch.float32:
+        for policy in ("none", "offload", "selective"):
+            assert_same_grads(gpu_grads(policy), ref, tol=1e-4)
+        return
+    with monkeypatch.context() as m:  # PyTorch's SDPA on the padded layout, in bf16: the rounding scale
+        m.setattr(M, "_flash_varlen_ok", lambda *a: False)
+        padded = gpu_grads("none")
+    bound = {k: max(0.02, 2 * rel(g, ref[k])) for k, g in padded.items()}
+    for policy in ("none", "offload", "selective"):
+        grads = gpu_grads(policy)
+        assert grads.keys() == ref.keys()
+        worst = {k: rel(g, ref[k]) for k, g in grads.items() if rel(g, ref[k]) > bound[k]}
+        assert not worst, f"{policy}: gradients beyond twice bf16 SDPA's distance from fp32: {worst}"
 
 
 def test_tokens_from_host_lengths_are_the_tokens_of_the_mask():

@@ -353,10 +353,18 @@ def padded_attention(qkv: torch.Tensor, tokens: Tokens, n_head: int, p: float) -
     the encoder did before it unpadded): CUDA where flash varlen does not apply, and the tests'
     reference for the kernels above."""
     B, T, H = tokens.B, tokens.T, qkv.shape[1] // 3
-    q, k, v = tokens.pad(qkv).view(B, T, 3, n_head, H // n_head).permute(2, 0, 3, 1, 4)  # 3 x (B, N, T, D)
-    mask = None if tokens.mask is None else tokens.mask[:, None, None, :]
-    y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p)  # (B, N, T, D)
-    return tokens.unpad(y.transpose(1, 2))
+    x, mask = tokens.pad(qkv).view(B, T, 3, n_head, H // n_head), tokens.mask
+    if mask is not None and T % 16:
+        # CUDA's memory-efficient kernel (fp32; fp16/bf16 where flash varlen does not apply) refuses
+        # in backward a mask bias whose strides are not multiples of its alignment ("attn_bias is
+        # not correctly aligned", seen at T=21 on an H100): pad T to a multiple of 16, the extra keys
+        # masked out (they add exactly 0), the extra queries dropped.
+        Tp = T + 16 - T % 16
+        x, mask = F.pad(x, (0, 0, 0, 0, 0, 0, 0, Tp - T)), F.pad(mask, (0, Tp - T), value=False)
+    q, k, v = x.permute(2, 0, 3, 1, 4)  # 3 x (B, N, T, D)
+    y = F.scaled_dot_product_attention(q, k, v, attn_mask=None if mask is None else mask[:, None, None, :],
+                                       dropout_p=p)  # (B, N, T, D)
+    return tokens.unpad(y[:, :, :T].transpose(1, 2))
 
 
 @torch.compiler.disable  # a loop over sequences and host lengths: a graph break, not a recompile per batch
