@@ -194,6 +194,28 @@ def cmd_large(a) -> int:
                 if cuda:
                     torch.cuda.empty_cache()
 
+        def timed_steps(b: int) -> list[float]:
+            opt = make_optimizer(cfg, model, 1e-5, dev)
+            batch, norm = obj.example_batch(b, a.length, model.config.vocab_size)
+            batch, times = batch.to(dev), []
+            try:
+                for i in range(1 + a.steps):
+                    sync()
+                    t = time.perf_counter()
+                    with policies.autocast("bf16", dev):
+                        loss = obj.loss(model, obj.forward(model, batch), batch, norm)
+                    loss.backward()
+                    del loss
+                    opt.step()
+                    opt.zero_grad(set_to_none=True)
+                    sync()
+                    if i:
+                        times.append(time.perf_counter() - t)
+            finally:
+                model.zero_grad(set_to_none=True)
+                del opt, batch
+            return times
+
         def fits(b: int) -> bool:
             try:
                 step(b)
@@ -207,32 +229,26 @@ def cmd_large(a) -> int:
         t0 = time.perf_counter()
         probed = largest_that_fits(fits, limit)
         probe_s = time.perf_counter() - t0
-        times = []
-        if probed:
-            opt = make_optimizer(cfg, model, 1e-5, dev)
-            batch, norm = obj.example_batch(probed, a.length, model.config.vocab_size)
-            batch = batch.to(dev)
-            for i in range(1 + a.steps):
-                sync()
-                t = time.perf_counter()
-                with policies.autocast("bf16", dev):
-                    loss = obj.loss(model, obj.forward(model, batch), batch, norm)
-                loss.backward()
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-                sync()
-                if i:
-                    times.append(time.perf_counter() - t)
-            del opt, batch, loss
+        times, timed_batch = [], probed
+        while timed_batch and not times:  # at the probed batch, else 10% smaller (fragmentation after the probe)
+            try:
+                times = timed_steps(timed_batch)
+            except torch.OutOfMemoryError:
+                say(f"{policy}: out of memory timing batch {timed_batch}; timing a smaller one")
+                timed_batch = int(0.9 * timed_batch)
+                gc.collect()
+                if cuda:
+                    torch.cuda.empty_cache()
         rec = {"policy": policy, "predicted_largest_batch": predicted.largest_batch,
                "predicted_activation_bytes_per_sequence": predicted.activation_bytes_per_sequence,
                "predicted_note": predicted.note, "probed_largest_batch": probed, "probe_limit": limit,
                "probe_s": probe_s, "step_times_s": times,
-               "sequences_per_sec": probed / statistics.median(times) if times else None,
+               "timed_batch": timed_batch,
+               "sequences_per_sec": timed_batch / statistics.median(times) if times else None,
                "peak_allocated_bytes": torch.cuda.max_memory_allocated(dev) if cuda else None}
         doc["policies"].append(rec)
         say(f"{a.model} {a.length} {policy}: predicted {predicted.largest_batch}, probed {probed} "
-            f"({probe_s:.0f} s), {rec['sequences_per_sec'] or 0:.1f} seq/s")
+            f"({probe_s:.0f} s), {rec['sequences_per_sec'] or 0:.1f} seq/s at batch {timed_batch}")
         del model
         gc.collect()
         if cuda:
@@ -290,16 +306,18 @@ def render(results: Path = RESULTS) -> str:
         rows = [[r["policy"], str(r["predicted_largest_batch"]) + (f" ({r['predicted_note']})" if r.get("predicted_note") else ""),
                  str(r["probed_largest_batch"]) + (" (probe limit)" if r["probed_largest_batch"] == r.get("probe_limit") else ""),
                  (f"{r['probed_largest_batch'] / r['predicted_largest_batch']:.2f}" if r["predicted_largest_batch"] else "—"),
-                 f"{r['sequences_per_sec']:.1f}" if r["sequences_per_sec"] else "—",
+                 f"{r['sequences_per_sec']:.1f} ({r.get('timed_batch', r['probed_largest_batch'])})"
+                 if r["sequences_per_sec"] else "—",
                  f"{r['predicted_activation_bytes_per_sequence'] / 2**20:.0f}"
                  if r["predicted_activation_bytes_per_sequence"] else "—"] for r in doc["policies"]]
         out += [f"## {s['model']} at length {s['max_seq_length']}, {s['precision']}, under a "
                 f"{s['memory_cap_bytes'] / 2**30:.0f} GiB cap: largest batch and sequences/s per policy", "",
                 markdown_grid(["policy", "planned largest batch", "probed largest batch", "probed / planned",
-                               "seq/s at the probed batch", "planned activation MiB/seq"], rows).rstrip("\n"), "",
+                               "seq/s (batch timed)", "planned activation MiB/seq"], rows).rstrip("\n"), "",
                 "Probed: the largest batch whose whole training step (forward, backward, AdamW step) fits under "
                 "`torch.cuda.set_per_process_memory_fraction`, by doubling and bisection; planned: `hpcbert plan` "
-                f"for the same cap. seq/s: median of {s['timed_steps']} whole steps at the probed batch, full-length "
+                f"for the same cap. seq/s: median of {s['timed_steps']} whole steps at the probed batch (10% smaller where it ran out of memory after "
+                "the probe), full-length "
                 "sequences.", "", f"- {_where(doc)}", ""]
     if len(out) == 4:
         out += ["Not measured yet.", ""]
