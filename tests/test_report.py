@@ -491,6 +491,7 @@ def _benchmark_script(name: str):
     ("bench_head_rows", "head_rows", "python benchmarks/bench_head_rows.py --render"),
     ("bench_model_ab", "model_ab", "python benchmarks/bench_model_ab.py --render"),
     ("bench_step_overhead", "step_overhead", "python benchmarks/bench_step_overhead.py --render"),
+    ("gpu", "gpu", "python benchmarks/gpu.py render"),
 ])
 def test_benchmark_readme_is_fresh(script, folder, command):
     """The benchmark scripts' READMEs are what their generators write from the committed JSON."""
