@@ -461,7 +461,8 @@ def hf_worker(argv: list[str]) -> int:
     p.add_argument("--host-allocator", choices=("system", "retain"), default="system",
                    help="retain: glibc malloc set as hpcbert sets it for its runs (hpcbert.dist."
                         "tune_host_allocator), to show what of hpcbert's lead that setting alone gives")
-    p.add_argument("--model", default=MODEL,
+    from hpcbert.zoo import RANDOM_SHAPES
+    p.add_argument("--model", default=MODEL, choices=("minilm-l6", *RANDOM_SHAPES),
                    help="minilm-l6 (its pretrained weights) or one of hpcbert's random shapes (bert-base, ...): "
                         "transformers' BertForSequenceClassification of that shape, random init")
     p.add_argument("--batch-size", type=int, default=BATCH)
@@ -482,7 +483,7 @@ def hf_worker(argv: list[str]) -> int:
 
     from hpcbert.data.glue import read_split
     from hpcbert.data.metrics import accuracy, f1_binary
-    from hpcbert.zoo import RANDOM_SHAPES, minilm_dir
+    from hpcbert.zoo import minilm_dir
 
     torch.set_num_threads(a.threads)
     datasets.disable_progress_bars()

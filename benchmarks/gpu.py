@@ -59,7 +59,7 @@ def need_cuda():
 def cmd_throughput(a) -> int:
     need_cuda()
     glue, work = C.glue_root(a.data_dir, a.task), Path(a.work_dir)
-    batches = [int(b) for b in a.batches.split(",")]
+    batches = a.batches
     doc = C.header("gpu-throughput", a.threads)
     doc["settings"] = {"task": a.task, "model": MODEL, "max_seq_length": C.SEQ_LEN, "precision": "bf16",
                        "batches": batches, "steps": a.steps, "warmup_steps_excluded": a.warmup_excluded,
@@ -120,7 +120,7 @@ def cmd_mfu(a) -> int:
                        "steps": a.steps, "warmup_steps_excluded": a.warmup_excluded, "compile": a.compile}
     doc["runs"] = []
     path = Path(a.results_dir) / "mfu.json"
-    for B in [int(b) for b in a.batches.split(",")]:
+    for B in a.batches:
         for comp in a.compile.split(","):
             args = ["--task", "synthetic", "--model", MODEL, "--max-seq-length", str(C.SEQ_LEN), "--batch-size",
                     str(B), "--precision", "bf16", "--max-steps", str(a.steps), "--synthetic-train-size",
@@ -172,7 +172,7 @@ def cmd_large(a) -> int:
                        "gpu_total_bytes": total, "timed_steps": a.steps, "probe_steps": 2}
     doc["policies"] = []
     path = Path(a.results_dir) / "large.json"
-    for policy in [p for p in a.policies.split(",") if p]:
+    for policy in a.policies:
         set_cap(1.0)
         predicted = plan.make_plan(cfg, cap, dev, (policy,)).policies[0]
         model = copy.deepcopy(base).to(dev)
@@ -345,6 +345,25 @@ def cmd_render(a) -> int:
     return 0
 
 
+def batch_list(text: str) -> list[int]:
+    """'32,128' -> [32, 128] (argparse type: a bad list is a one-line usage error)."""
+    try:
+        sizes = [int(b) for b in text.split(",")]
+    except ValueError:
+        sizes = []
+    if not sizes or min(sizes) < 1:
+        raise argparse.ArgumentTypeError(f"cannot read {text!r}; accepted: comma-separated positive integers (32,128)")
+    return sizes
+
+
+def policy_list(text: str) -> list[str]:
+    names = [p for p in text.split(",") if p]
+    unknown = [p for p in names if p not in POLICIES]
+    if not names or unknown:
+        raise argparse.ArgumentTypeError(f"unknown {unknown or text!r}; accepted: comma-separated {', '.join(POLICIES)}")
+    return names
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -360,14 +379,14 @@ def main(argv: list[str] | None = None) -> int:
     common(t)
     t.add_argument("--data-dir", default="../shared/data/glue")
     t.add_argument("--task", default="mrpc", choices=tuple(C.TASK_FOLDERS))
-    t.add_argument("--batches", default="32,128")
+    t.add_argument("--batches", type=batch_list, default="32,128")
     t.add_argument("--steps", type=int, default=60)
     t.add_argument("--warmup-excluded", type=int, default=10)
     t.add_argument("--repeats", type=int, default=2)
     t.add_argument("--hf-optim", default=None, help="TrainingArguments.optim (default: the Trainer's)")
     m = sub.add_parser("mfu")
     common(m)
-    m.add_argument("--batches", default="256")
+    m.add_argument("--batches", type=batch_list, default="256")
     m.add_argument("--steps", type=int, default=40)
     m.add_argument("--warmup-excluded", type=int, default=10)
     m.add_argument("--compile", default="off", help="comma-separated --compile values to run")
@@ -376,7 +395,7 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--model", default="bert-large")
     g.add_argument("--length", type=int, default=512)
     g.add_argument("--memory", default="24GiB", help="the cap the probe runs under and the plan is made for")
-    g.add_argument("--policies", default=",".join(POLICIES))
+    g.add_argument("--policies", type=policy_list, default=",".join(POLICIES))
     g.add_argument("--steps", type=int, default=3)
     r = sub.add_parser("render")
     r.add_argument("--results-dir", default=str(RESULTS))
