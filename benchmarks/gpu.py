@@ -106,10 +106,31 @@ def throughput_summary(doc: dict) -> list[dict]:
                     "hpcbert_seq_per_s": [p["hpcbert"]["steady_sequences_per_sec"] for p in full],
                     "hf_seq_per_s": [p["hf"]["steady_sequences_per_sec"] for p in full],
                     "ratio_per_repeat": ratios, "ratio_median": statistics.median(ratios),
+                    # the typical step: the Trainer's new-length steps (several times its usual one on
+                    # the H100) weigh in the seq/s ratio, not in this one
+                    "median_step_ratio_per_repeat": [p["hf"]["steady_step_time_s"] / p["hpcbert"]["steady_step_time_s"]
+                                                     for p in full],
                     "hpcbert_mfu_median": statistics.median(mfus) if mfus else None,
                     "hf_mfu_median": statistics.median(m / r for m, r in zip(mfus, ratios)) if mfus else None,
                     "hf_optim": full[0]["hf"].get("optim"), "hf_attention": full[0]["hf"].get("attn_implementation")})
     return out
+
+
+def _new_length_line(doc: dict) -> str:
+    """How many of the Trainer's slow steps (over twice its median) after the warm-up came at a padded
+    length its run had not met before: counted from the runs' per-step shapes."""
+    slow = new = 0
+    for r in doc["runs"]:
+        if r["side"] != "hf" or not r.get("step_times"):
+            continue
+        seen, med = set(), r["steady_step_time_s"]
+        for i, (t, padded, n) in enumerate(zip(r["step_times"], r["step_padded_tokens"], r["step_sequences"])):
+            first = padded // n not in seen
+            seen.add(padded // n)
+            if i >= r["warmup_steps_excluded"] and t > 2 * med:
+                slow, new = slow + 1, new + first
+    return (f"{slow} of its steps after the warm-up took over twice its median step, {new} of them at a padded "
+            "length its run met for the first time.")
 
 
 def cmd_mfu(a) -> int:
@@ -268,17 +289,21 @@ def render(results: Path = RESULTS) -> str:
         s = doc["settings"]
         rows = [[str(r["batch"]), C._fmt_list(r["hpcbert_seq_per_s"], "{:.0f}"), C._fmt_list(r["hf_seq_per_s"], "{:.0f}"),
                  C._fmt_list(r["ratio_per_repeat"]), f"**{r['ratio_median']:.2f}x**",
+                 C._fmt_list(r["median_step_ratio_per_repeat"]) if r.get("median_step_ratio_per_repeat") else "—",
                  f"{r['hpcbert_mfu_median']:.1%}" if r["hpcbert_mfu_median"] else "—",
-                 f"{r['hf_mfu_median']:.1%}" if r["hf_mfu_median"] else "—"] for r in doc.get("summary", [])]
+                 f"{r['hf_mfu_median']:.1%}" if r["hf_mfu_median"] else "—"] for r in throughput_summary(doc)]
         out += [f"## Against the Trainer on equal batches: {s['model']}, {s['task'].upper()}, length "
                 f"{s['max_seq_length']}, {s['precision']}", "",
                 markdown_grid(["batch", "hpcbert seq/s", "Trainer seq/s", "ratio per repeat", "ratio (median)",
-                               "hpcbert MFU", "Trainer MFU"], rows).rstrip("\n"), "",
+                               "median step, Trainer / hpcbert", "hpcbert MFU", "Trainer MFU"], rows).rstrip("\n"), "",
                 f"The same batches on both sides (hpcbert's random order as the Trainer's sampler), {s['steps']} steps, "
                 f"the first {s['warmup_steps_excluded']} left out; Trainer optim "
                 f"`{(doc.get('summary') or [{}])[0].get('hf_optim')}`, attention "
                 f"`{(doc.get('summary') or [{}])[0].get('hf_attention')}`. MFU: model FLOPs of the real tokens over "
-                f"the data-sheet bf16 peak; the Trainer's is hpcbert's over the ratio (equal batches, equal FLOPs).",
+                f"the data-sheet bf16 peak; the Trainer's is hpcbert's over the ratio (equal batches, equal FLOPs). "
+                "seq/s counts every step after the warm-up, as `compare_hf.py` does; the median step leaves out "
+                f"the Trainer's slow steps: {_new_length_line(doc)} A whole fine-tuning run pays those too, but "
+                "less per step as lengths repeat.",
                 "", f"- {_where(doc)}", ""]
     if mfu.is_file():
         doc = C.read_json(mfu)

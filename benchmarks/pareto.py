@@ -147,12 +147,18 @@ def render_readme(results: Path = RESULTS) -> str:
     return "\n".join(out) + "\n"
 
 
+def in_use(doc: dict) -> list[dict]:
+    """The measurements some entry still comes from (an entry measured again replaces the old one)."""
+    dates = {e["date"] for e in doc["entries"]}
+    return [m for m in doc["measurements"] if m["date"] in dates]
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", default="minilm-l6,bert-base,bert-large")
     p.add_argument("--lengths", default="128,512")
-    p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--steps", type=int, default=2, help="timed steps per policy and round (default: %(default)s)")
+    p.add_argument("--rounds", type=int, default=4)
+    p.add_argument("--steps", type=int, default=3, help="timed steps per policy and round (default: %(default)s)")
     p.add_argument("--threads", type=int, default=os.cpu_count())
     p.add_argument("--results-dir", default=str(RESULTS))
     p.add_argument("--render", action="store_true", help="only write README.md from the JSON")
@@ -174,6 +180,7 @@ def main(argv: list[str] | None = None) -> int:
                 e = measure(model, length, a.rounds, a.steps, a.threads, device)
                 e["date"] = date
                 doc["entries"] = [x for x in doc["entries"] if (x["model"], x["length"]) != (model, length)] + [e]
+                doc["measurements"] = in_use(doc)
                 results.mkdir(parents=True, exist_ok=True)
                 write_json_atomic(path, doc)
     (results / "README.md").write_text(render_readme(results))
