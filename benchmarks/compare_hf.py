@@ -172,9 +172,12 @@ def machine_info(threads: int) -> dict:
 
 
 def command_line() -> str:
+    """The command that is running, as a user would type it from the project root: this script or
+    one of the others that share these helpers (compare_hf_squad.py, compare_hf_chinese.py, gpu.py)."""
     nice = os.nice(0)
     prefix = f"nice -n {nice} " if nice > 0 else ""
-    return prefix + "python benchmarks/compare_hf.py " + shlex.join(sys.argv[1:])
+    script = os.path.relpath(Path(sys.argv[0]).resolve(), ROOT)
+    return prefix + f"python {script} " + shlex.join(sys.argv[1:])
 
 
 def header(kind: str, threads: int) -> dict:

@@ -79,15 +79,10 @@ def say(msg: str) -> None:
     print(f"[compare_hf_chinese {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
-def command_line() -> str:
-    nice = os.nice(0)
-    return (f"nice -n {nice} " if nice > 0 else "") + "python benchmarks/compare_hf_chinese.py " + shlex.join(sys.argv[1:])
-
-
 def header(kind: str) -> dict:
     import datetime
     return {"kind": kind, "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-            "command": command_line(), "machine": C.machine_info(THREADS)}
+            "command": C.command_line(), "machine": C.machine_info(THREADS)}
 
 
 def check_data() -> None:

@@ -27,10 +27,10 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import gc
 import os
 import re
-import shlex
 import statistics
 import sys
 import time
@@ -184,10 +184,47 @@ def cmd_large(a) -> int:
     def sync() -> None:
         if cuda:
             torch.cuda.synchronize(dev)
+
     cfg = RunConfig(task="synthetic", model=a.model, max_seq_length=a.length, precision="bf16")
     obj = objectives.get(cfg)
     torch.manual_seed(0)
     base = obj.build_model(plan._model_config(cfg)).train()  # on the host; a copy per policy goes to the GPU
+
+    def run_steps(model, b: int, n: int) -> list[float]:
+        """n whole training steps of `model` at batch b with one optimizer; each one's seconds."""
+        opt = make_optimizer(cfg, model, 1e-5, dev)
+        batch, norm = obj.example_batch(b, a.length, model.config.vocab_size)
+        batch, times = batch.to(dev), []
+        try:
+            for _ in range(n):
+                sync()
+                t = time.perf_counter()
+                with policies.autocast("bf16", dev):
+                    loss = obj.loss(model, obj.forward(model, batch), batch, norm)
+                loss.backward()
+                del loss
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                sync()
+                times.append(time.perf_counter() - t)
+        finally:
+            model.zero_grad(set_to_none=True)
+            del opt, batch
+            gc.collect()
+            if cuda:
+                torch.cuda.empty_cache()
+        return times
+
+    def fits(model, b: int) -> bool:
+        # two steps: the second forward and backward run beside AdamW's moments, as every step of
+        # training after the first does (one step alone allocates them only after backward has
+        # freed the activations: on the first H100 run that fitted 1.3-1.5x more than two in a row)
+        try:
+            run_steps(model, b, 2)
+            return True
+        except torch.OutOfMemoryError:
+            return False
+
     doc = C.header("gpu-large", a.threads)
     doc["settings"] = {"model": a.model, "max_seq_length": a.length, "precision": "bf16", "memory_cap_bytes": cap,
                        "gpu_total_bytes": total, "timed_steps": a.steps, "probe_steps": 2}
@@ -200,57 +237,19 @@ def cmd_large(a) -> int:
         policies.apply_grad_ckpt(model, policy)
         set_cap(cap / total)
 
-        def run_steps(b: int, n: int) -> list[float]:
-            """n whole training steps at batch b with one optimizer; each one's seconds."""
-            opt = make_optimizer(cfg, model, 1e-5, dev)
-            batch, norm = obj.example_batch(b, a.length, model.config.vocab_size)
-            batch, times = batch.to(dev), []
-            try:
-                for _ in range(n):
-                    sync()
-                    t = time.perf_counter()
-                    with policies.autocast("bf16", dev):
-                        loss = obj.loss(model, obj.forward(model, batch), batch, norm)
-                    loss.backward()
-                    del loss
-                    opt.step()
-                    opt.zero_grad(set_to_none=True)
-                    sync()
-                    times.append(time.perf_counter() - t)
-            finally:
-                model.zero_grad(set_to_none=True)
-                del opt, batch
-                gc.collect()
-                if cuda:
-                    torch.cuda.empty_cache()
-            return times
-
-        def fits(b: int) -> bool:
-            # two steps: the second forward and backward run beside AdamW's moments, as every step of
-            # training after the first does (one step alone allocates them only after backward has
-            # freed the activations: on the first H100 run that fitted 1.3-1.5x more than two in a row)
-            try:
-                run_steps(b, 2)
-                return True
-            except torch.OutOfMemoryError:
-                return False
-
         # up to twice the prediction; offload's pinned host memory only a little past it (the plan already
         # allows it half the host's memory, and a probe past the host's would end the process)
         limit = int(1.2 * predicted.largest_batch) + 1 if policy == "offload" else 2 * predicted.largest_batch + 8
         t0 = time.perf_counter()
-        probed = largest_that_fits(fits, limit)
+        probed = largest_that_fits(functools.partial(fits, model), limit)
         probe_s = time.perf_counter() - t0
         times, timed_batch = [], probed
         while timed_batch and not times:  # at the probed batch, else 10% smaller (fragmentation after the probe)
             try:
-                times = run_steps(timed_batch, 1 + a.steps)[1:]  # the first step is not timed
+                times = run_steps(model, timed_batch, 1 + a.steps)[1:]  # the first step is not timed
             except torch.OutOfMemoryError:
                 say(f"{policy}: out of memory timing batch {timed_batch}; timing a smaller one")
                 timed_batch = int(0.9 * timed_batch)
-                gc.collect()
-                if cuda:
-                    torch.cuda.empty_cache()
         rec = {"policy": policy, "predicted_largest_batch": predicted.largest_batch,
                "predicted_activation_bytes_per_sequence": predicted.activation_bytes_per_sequence,
                "predicted_note": predicted.note, "probed_largest_batch": probed, "probe_limit": limit,
@@ -430,7 +429,6 @@ def main(argv: list[str] | None = None) -> int:
         C.HPCBERT_SRC.update(commit=os.environ["HPCBERT_COMMIT"], note="copy of commit")
     if getattr(a, "tokenizer", None):
         a.tokenizer = str(Path(a.tokenizer).resolve())
-    C.command_line = lambda: "python benchmarks/gpu.py " + shlex.join(sys.argv[1:])
     Path(getattr(a, "results_dir")).mkdir(parents=True, exist_ok=True)
     return {"throughput": cmd_throughput, "mfu": cmd_mfu, "large": cmd_large, "render": cmd_render}[a.command](a)
 
