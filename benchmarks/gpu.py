@@ -173,7 +173,7 @@ def cmd_large(a) -> int:
 
     # with its index: set_per_process_memory_fraction refuses a bare "cuda"
     dev = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    cap = plan.parse_bytes(a.memory)
+    cap = a.memory
     cuda = dev.type == "cuda"
     total = torch.cuda.get_device_properties(dev).total_memory if cuda else cap
 
@@ -425,6 +425,12 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--results-dir", default=str(RESULTS))
     a = p.parse_args(argv)
     C.use_hpcbert(None)
+    if a.command == "large":  # read here: hpcbert is importable only after use_hpcbert
+        from hpcbert.plan import parse_bytes
+        try:
+            a.memory = parse_bytes(a.memory)
+        except ValueError as e:
+            p.error(str(e))  # names the option: "memory: cannot read ..."
     if os.environ.get("HPCBERT_COMMIT"):  # a copy of the tree whose .git (if any) is not the commit
         C.HPCBERT_SRC.update(commit=os.environ["HPCBERT_COMMIT"], note="copy of commit")
     if getattr(a, "tokenizer", None):
