@@ -148,8 +148,10 @@ def test_ddp_two_ranks_give_the_padded_models_gradient(tmp_path):
         assert_same_grads(torch.load(tmp_path / f"grads{r}.pt"), ref_grads)
 
 
-def test_cpu_attention_backward_with_dropout_is_the_derivative():
-    """Finite differences (fp64) through the kernel with attention dropout (its mask kept for backward)."""
+@pytest.mark.parametrize("packed", [False, True])
+def test_cpu_attention_backward_with_dropout_is_the_derivative(packed):
+    """Finite differences (fp64) through the kernel with attention dropout (its mask kept for
+    backward, as bytes or as bits)."""
     g = torch.Generator().manual_seed(1)
     lengths = [5, 5, 3, 7]
     n, H, N = sum(lengths), 8, 2
@@ -158,18 +160,18 @@ def test_cpu_attention_backward_with_dropout_is_the_derivative():
 
     def f(x):
         torch.manual_seed(5)  # the same masks on every call
-        return _CpuAttention.apply(x, tokens.groups, N, 0.3)
+        return _CpuAttention.apply(x, tokens.groups, N, 0.3, packed)
 
     assert torch.autograd.gradcheck(f, (qkv,), eps=1e-6, atol=1e-7, fast_mode=True)
     # and dropout really dropped something: without it the output differs
-    assert not torch.allclose(f(qkv), _CpuAttention.apply(qkv, tokens.groups, N, 0.0))
+    assert not torch.allclose(f(qkv), _CpuAttention.apply(qkv, tokens.groups, N, 0.0, packed))
 
 
 def test_cpu_attention_equals_padded_sdpa_without_dropout():
     ids, mask, _, _ = padded_batch()
     tokens = Tokens.of(mask, *ids.shape, torch.device("cpu"))
     qkv = torch.randn(int(mask.sum()), 3 * 64, dtype=torch.float64)
-    ours = _CpuAttention.apply(qkv, tokens.groups, 4, 0.0)
+    ours = _CpuAttention.apply(qkv, tokens.groups, 4, 0.0, False)
     assert (ours - padded_attention(qkv, tokens, 4, 0.0).reshape_as(ours)).abs().max() <= 1e-12
 
 
@@ -299,6 +301,37 @@ def test_new_policies_same_loss_and_gradients_as_none_with_dropout(policy):
     loss, grads = run(policy)
     assert torch.equal(loss, ref_loss)
     assert_same_grads(grads, ref, tol=1e-6)
+
+
+def test_selective_draws_no_mask_and_reruns_no_attention_in_backward():
+    """On CPU selective keeps the attention's results and every dropout mask: its recomputation runs
+    neither operator again (`all`, which keeps nothing of a layer, runs both: the count is live)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops: dict[str, int] = {}
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops[str(func)] = self.ops.get(str(func), 0) + 1
+            return func(*args, **(kwargs or {}))
+
+    ran = {}
+    for policy in ("selective", "all"):
+        torch.manual_seed(0)
+        m = BertForSequenceClassification(BertConfig(**TINY)).train()
+        policies.wrap_layers(m, policy)
+        ids, mask, types, labels = padded_batch()
+        loss = m.loss_sum(m(ids, mask, types), labels)
+        with Count() as c:
+            loss.backward()
+        ran[policy] = (c.ops.get("hpcbert.cpu_attention.default", 0), c.ops.get("hpcbert.keep_mask.default", 0))
+        assert c.ops.get("aten.gelu.default", 0) == TINY["num_hidden_layers"]  # element-wise work is redone
+    layers = TINY["num_hidden_layers"]
+    assert ran["selective"] == (0, 0)
+    # all: each layer's attention again, and its two hidden dropout masks plus the embeddings' one
+    assert ran["all"] == (layers, 2 * layers + 1)
 
 
 def test_selective_keeps_fewer_bytes_than_none_and_more_than_all():
@@ -462,3 +495,16 @@ def test_the_last_layer_computes_only_the_rows_its_head_reads():
     with torch.no_grad(), FlopCounterMode(display=False) as fc:
         m(ids, mask, types)
     assert fc.get_total_flops() == expected
+
+
+@pytest.mark.parametrize("p, packed", [(0.0, False), (0.2, False), (0.2, True)])
+def test_custom_operators_pass_torch_opcheck(p, packed):
+    """PyTorch's own checks of the two CPU operators: schema (no undeclared mutation or aliasing)
+    and the fake kernel (shapes and dtypes the planner's FakeTensorMode sees) against the real one."""
+    ids, mask, _, _ = padded_batch()
+    tokens = Tokens.of(mask, *ids.shape, torch.device("cpu"))
+    qkv = torch.randn(int(mask.sum()), 3 * 16)
+    flat = [x for g in tokens.groups for x in g]
+    checks = ("test_schema", "test_faketensor")
+    torch.library.opcheck(torch.ops.hpcbert.cpu_attention, (qkv, flat, 4, p, packed), test_utils=checks)
+    torch.library.opcheck(torch.ops.hpcbert.keep_mask, ([7, 5], 6554, torch.device("cpu")), test_utils=checks)

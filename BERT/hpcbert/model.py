@@ -20,6 +20,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.flop_counter import register_flop_formula
 
 
 @dataclass
@@ -193,22 +194,40 @@ def keep_mask(shape: tuple[int, ...], p: float, device: torch.device) -> tuple[t
     PyTorch's CPU generator is a serial Mersenne Twister: the same bits from torch.randint took
     56 ms of a minilm-l6 bf16 step (batch 32, length 128, 19 masks) on this project's 2-core EPYC,
     SFC64 30 ms (F.dropout's bernoulli_ is slower than either). Neither splitting the draws over a
-    second thread nor drawing them in cache-sized blocks gained anything inside a step."""
+    second thread nor drawing them in cache-sized blocks gained anything inside a step.
+
+    Drawn by one operator, `hpcbert::keep_mask`, which selective checkpointing can keep whole (see
+    policies.py); in FakeTensorMode (`hpcbert plan`) it gives a mask of the shape only."""
     if device.type != "cpu":
         raise ValueError(f"keep_mask: CPU only (got {device.type}); other devices use F.dropout")
-    n = math.prod(shape)
-    seed = torch.randint(0, 2**63 - 1, (), dtype=torch.int64)
     drops = round(p * 65536)  # of the 65536 values of an int16, this many drop
-    if torch.compiler.is_compiling() or type(seed) is not torch.Tensor:
-        # Traced (torch.compile) or shapes only (FakeTensorMode: hpcbert plan): no value to seed
-        # NumPy with; a mask of the same shape, dtype and rate from torch's generator, in ops
-        # that trace.
+    if torch.compiler.is_compiling():
+        # Traced (torch.compile): no value to seed NumPy with; a mask of the same shape, dtype and
+        # rate from torch's generator, in ops that trace (and that the compiler knows are random).
+        n = math.prod(shape)
         bits = torch.randint(-2**63, 2**63 - 1, ((n + 3) // 4,), dtype=torch.int64)
         keep = torch.ge(bits.view(torch.int16)[:n], drops - 32768).to(torch.uint8)
-        return keep.view(shape), 65536 / (65536 - drops)
+        return keep.view(shape), keep_scale(p)
+    return torch.ops.hpcbert.keep_mask(list(shape), drops, device), keep_scale(p)
+
+
+def keep_scale(p: float) -> float:
+    """1 / P(keep) of `keep_mask`'s rate: P(drop) = p rounded to 1/65536."""
+    return 65536 / (65536 - round(p * 65536))
+
+
+@torch.library.custom_op("hpcbert::keep_mask", mutates_args=())
+def _keep_mask_op(shape: list[int], drops: int, device: torch.device) -> torch.Tensor:
+    n = math.prod(shape)
+    seed = torch.randint(0, 2**63 - 1, (), dtype=torch.int64)
     lanes = np.random.SFC64(cpu_value(seed)).random_raw((n + 3) // 4).view(np.int16)[:n]
     keep = np.greater_equal(lanes, drops - 32768).view(np.uint8)  # 1 byte per element, 1 = kept
-    return torch.from_numpy(keep).view(shape), 65536 / (65536 - drops)
+    return torch.from_numpy(keep).view(shape)
+
+
+@_keep_mask_op.register_fake
+def _(shape, drops, device):
+    return torch.empty(shape, dtype=torch.uint8)
 
 
 class _Dropout(torch.autograd.Function):
@@ -241,12 +260,17 @@ def dropout(x: torch.Tensor, p: float, training: bool) -> torch.Tensor:
 class _CpuAttention(torch.autograd.Function):
     """Softmax attention per run of equal-length sequences, with attention dropout, on (n, 3H)
     fused Q/K/V rows. Saves Q/K/V (the projection's output), the probabilities P and the dropout
-    keep-mask (uint8, a quarter of P's bytes), not the dropped probabilities. Flash attention draws
-    its mask again in backward from a counter-based generator at no cost; a CPU generator pays a
-    draw per element (measured ~4% of a SQuAD step when drawn twice), so the mask is kept, and the
+    keep-mask, not the dropped probabilities: the mask as uint8 (a quarter of P's bytes at bf16),
+    or with `packed` as bits (1/16 of P's bytes; packing and unpacking cost ~0.3 ms a layer of
+    minilm-l6 at batch 32, length 128, against 3 ms to draw it). Flash attention draws its mask
+    again in backward from a counter-based generator at no cost; a CPU generator pays a draw per
+    element (measured ~4% of a SQuAD step when drawn twice), so the mask is kept, and the
     checkpointing policies are where memory is traded for time. PyTorch's CPU SDPA takes no
     dropout in its flash kernel, so its math path would draw a (B, N, T, T) bernoulli mask and
     save it with P and the dropped P.
+
+    The forward is one operator, `hpcbert::cpu_attention`, whose outputs are everything backward
+    reads besides Q/K/V: selective checkpointing keeps them and never runs the forward again.
 
     Per group (nb sequences of length L): S = (Q / sqrt(D)) K^T; P = softmax(S); A = P * K01 (the
     0/1 keep mask); O = s (A V) (s = 1 / P(keep)). Backward: dV = s A^T dO; dP = (s dO V^T) * K01;
@@ -256,36 +280,10 @@ class _CpuAttention(torch.autograd.Function):
     beyond its matmuls."""
 
     @staticmethod
-    def forward(ctx, qkv, groups, n_head, p):
-        n, H3 = qkv.shape
-        H = H3 // 3
-        D = H // n_head
-        out = qkv.new_empty(n, H)
-        saved, scale = [], 1.0
-        if p:  # one mask for every group's (nb, N, L, L) probabilities: one draw, split per group
-            sizes = [nb * n_head * L * L for _, nb, L in groups]
-            keeps, scale = keep_mask((sum(sizes),), p, qkv.device)
-            keeps = keeps.split(sizes)
-        with torch.autocast("cpu", enabled=False):  # in qkv's dtype; the softmax accumulates in fp32
-            for i, (r0, nb, L) in enumerate(groups):
-                q, k, v = _heads(qkv[r0:r0 + nb * L], nb, L, n_head, D)    # 3 x (nb, N, L, D)
-                S = (q * D ** -0.5) @ k.transpose(-1, -2)                   # (nb, N, L, L)
-                # bf16 in, bf16 out: PyTorch's CPU softmax accumulates reduced precision in fp32
-                # (bit-equal to softmax in fp32 then rounded, without the two (L, L) casts)
-                P = torch.softmax(S, -1)
-                if p:
-                    keep = keeps[i].view(P.shape)
-                    saved += [P, keep]
-                    # out of place: selective checkpointing keeps this bmm's output and hands the
-                    # same tensor back in the recomputation, where an in-place scale would apply twice.
-                    # P * keep promotes the uint8 mask in the multiplication (no converted copy).
-                    o = ((P * keep) @ v) * scale
-                else:
-                    saved.append(P)
-                    o = P @ v
-                out[r0:r0 + nb * L] = o.transpose(1, 2).reshape(nb * L, H)
+    def forward(ctx, qkv, groups, n_head, p, packed):
+        out, *saved = torch.ops.hpcbert.cpu_attention(qkv, [x for g in groups for x in g], n_head, p, packed)
         ctx.save_for_backward(qkv, *saved)
-        ctx.groups, ctx.n_head, ctx.p, ctx.scale = groups, n_head, p, scale
+        ctx.groups, ctx.n_head, ctx.p, ctx.packed = groups, n_head, p, packed
         return out
 
     @staticmethod
@@ -296,16 +294,18 @@ class _CpuAttention(torch.autograd.Function):
         N, p = ctx.n_head, ctx.p
         D = H // N
         dqkv = qkv.new_empty(n, H3)
-        per_group = 2 if p else 1
+        if p:
+            keeps = _unpack_keeps(saved.pop(), ctx.groups, N, ctx.packed)
+            scale = keep_scale(p)
         for i, (r0, nb, L) in enumerate(ctx.groups):
-            P = saved[i * per_group]
+            P = saved[i]
             rows = slice(r0, r0 + nb * L)
             q, k, v = _heads(qkv[rows], nb, L, N, D)
             dO = dout[rows].view(nb, L, N, D).transpose(1, 2)           # (nb, N, L, D)
             g = dqkv[rows].view(nb, L, 3, N, D)
             if p:
-                keep = saved[i * per_group + 1]
-                dO = dO * ctx.scale
+                keep = keeps[i].view(P.shape)
+                dO = dO * scale
                 dP = (dO @ v.transpose(-1, -2)).mul_(keep)              # (nb, N, L, L)
                 g[:, :, 2] = ((P * keep).transpose(-1, -2) @ dO).transpose(1, 2)
             else:
@@ -314,7 +314,71 @@ class _CpuAttention(torch.autograd.Function):
             dS = torch.ops.aten._softmax_backward_data(dP, P, -1, P.dtype)
             g[:, :, 0] = (dS @ k).transpose(1, 2) * D ** -0.5
             g[:, :, 1] = (dS.transpose(-1, -2) @ q).transpose(1, 2) * D ** -0.5
-        return dqkv, None, None, None
+        return dqkv, None, None, None, None
+
+
+def _keep_sizes(groups, n_head: int) -> list[int]:
+    return [nb * n_head * L * L for _, nb, L in groups]
+
+
+def _unpack_keeps(keep: torch.Tensor, groups, n_head: int, packed: bool) -> tuple[torch.Tensor, ...]:
+    sizes = _keep_sizes(groups, n_head)
+    if packed:
+        keep = torch.from_numpy(np.unpackbits(keep.numpy(), count=sum(sizes)))
+    return keep.split(sizes)
+
+
+@torch.library.custom_op("hpcbert::cpu_attention", mutates_args=())
+def _cpu_attention_op(qkv: torch.Tensor, groups: list[int], n_head: int, p: float, packed: bool) -> list[torch.Tensor]:
+    """_CpuAttention's forward: [out (n, H), P of every group (nb, N, L, L), and where p > 0 the
+    keep mask of all groups, flat: uint8, or bits packed 8 to a byte]. `groups` flat (r0, nb, L)."""
+    groups3 = list(zip(groups[::3], groups[1::3], groups[2::3]))
+    n, H3 = qkv.shape
+    H = H3 // 3
+    D = H // n_head
+    out = qkv.new_empty(n, H)
+    Ps = []
+    if p:  # one mask for every group's (nb, N, L, L) probabilities: one draw, split per group
+        sizes = _keep_sizes(groups3, n_head)
+        flat, scale = keep_mask((sum(sizes),), p, qkv.device)
+        keeps = flat.split(sizes)
+    with torch.autocast("cpu", enabled=False):  # in qkv's dtype; the softmax accumulates in fp32
+        for i, (r0, nb, L) in enumerate(groups3):
+            q, k, v = _heads(qkv[r0:r0 + nb * L], nb, L, n_head, D)    # 3 x (nb, N, L, D)
+            S = (q * D ** -0.5) @ k.transpose(-1, -2)                   # (nb, N, L, L)
+            # bf16 in, bf16 out: PyTorch's CPU softmax accumulates reduced precision in fp32
+            # (bit-equal to softmax in fp32 then rounded, without the two (L, L) casts)
+            P = torch.softmax(S, -1)
+            Ps.append(P)
+            # P * keep promotes the uint8 mask in the multiplication (no converted copy)
+            o = ((P * keeps[i].view(P.shape)) @ v).mul_(scale) if p else P @ v
+            out[r0:r0 + nb * L] = o.transpose(1, 2).reshape(nb * L, H)
+    if not p:
+        return [out, *Ps]
+    return [out, *Ps, torch.from_numpy(np.packbits(flat.numpy().view(bool))) if packed else flat]
+
+
+@register_flop_formula(torch.ops.hpcbert.cpu_attention, get_raw=True)
+def _cpu_attention_flops(qkv, groups, n_head, p, packed, out_val=None) -> int:
+    """For torch's FlopCounterMode, which counts operators and cannot see inside this one: its two
+    matmuls per group, S = Q K^T and P V, 2 nb N L L D FLOPs each (what SDPA's formula counts)."""
+    D = qkv.shape[1] // 3 // n_head
+    return sum(2 * 2 * nb * n_head * L * L * D for nb, L in zip(groups[1::3], groups[2::3]))
+
+
+@_cpu_attention_op.register_fake
+def _(qkv, groups, n_head, p, packed):
+    sizes = _keep_sizes(zip(groups[::3], groups[1::3], groups[2::3]), n_head)
+    Ps = [qkv.new_empty(nb, n_head, L, L) for nb, L in zip(groups[1::3], groups[2::3])]
+    out = qkv.new_empty(qkv.shape[0], qkv.shape[1] // 3)
+    if not p:
+        return [out, *Ps]
+    m = sum(sizes)
+    return [out, *Ps, qkv.new_empty((m + 7) // 8 if packed else m, dtype=torch.uint8)]
+
+
+# The operators this file defines (both CPU): the attention forward and the dropout mask's draw.
+CPU_OPERATORS = (torch.ops.hpcbert.cpu_attention.default, torch.ops.hpcbert.keep_mask.default)
 
 
 def _heads(rows: torch.Tensor, nb: int, L: int, N: int, D: int) -> tuple[torch.Tensor, ...]:
@@ -368,13 +432,14 @@ def padded_attention(qkv: torch.Tensor, tokens: Tokens, n_head: int, p: float) -
 
 
 @torch.compiler.disable  # a loop over sequences and host lengths: a graph break, not a recompile per batch
-def attention(qkv: torch.Tensor, tokens: Tokens, n_head: int, p: float) -> torch.Tensor:
+def attention(qkv: torch.Tensor, tokens: Tokens, n_head: int, p: float, pack_mask: bool = False) -> torch.Tensor:
     """(n, 3H) fused Q/K/V rows -> (n, H) attention output, each token attending to the real tokens
-    of its own sequence; `p` = attention dropout (0 outside training)."""
+    of its own sequence; `p` = attention dropout (0 outside training); `pack_mask`: on CPU, keep
+    the dropout mask for backward as bits, not bytes."""
     n, H = qkv.shape[0], qkv.shape[1] // 3
     D = H // n_head
     if qkv.device.type == "cpu":
-        return _CpuAttention.apply(qkv, tokens.groups, n_head, p)
+        return _CpuAttention.apply(qkv, tokens.groups, n_head, p, pack_mask)
     if tokens.index is not None and _flash_varlen_ok(qkv, D):
         q, k, v = (t.contiguous() for t in qkv.view(n, 3, n_head, D).unbind(1))  # 3 x (n, N, D)
         return _FlashVarlen.apply(q, k, v, tokens.cu_seqlens, tokens.max_len, p).reshape(n, H)
@@ -405,9 +470,13 @@ class BertSelfAttention(nn.Module):
         # (query, key, value): see fuse_qkv / split_qkv at the end of this file.
         self.qkv = nn.Linear(c.hidden_size, 3 * c.hidden_size)
         self.p = c.attention_probs_dropout_prob
+        # CPU: keep the attention dropout mask as bits (8x fewer bytes, ~0.3 ms a layer to pack
+        # and unpack); a memory policy sets it (policies.py: selective)
+        self.pack_dropout_mask = False
 
     def forward(self, x: torch.Tensor, tokens: Tokens) -> torch.Tensor:
-        return attention(self.qkv(x), tokens, self.n_head, self.p if self.training else 0.0)  # (n, H)
+        return attention(self.qkv(x), tokens, self.n_head, self.p if self.training else 0.0,
+                         self.pack_dropout_mask)  # (n, H)
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         # HF checkpoints (and this project's before Q/K/V were fused) hold the three projections.

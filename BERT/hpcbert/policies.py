@@ -8,10 +8,12 @@ backward is the policy:
     alternate, all, every:K  its input only; the whole layer is recomputed in backward (`all`
                              wraps the embeddings too: they keep their ids, not the fp32 sum,
                              LayerNorm input and dropout mask of every token)
-    selective                (every layer) the outputs of its matmuls (Q/K/V, attention scores and
-                             values, output projection, feed-forward); the element-wise work between
-                             them (dropout, GELU, LayerNorm, softmax) is recomputed: PyTorch's
-                             selective activation checkpointing
+    selective                (every layer) the outputs of its matmuls (Q/K/V, output projection,
+                             feed-forward) and on CPU the attention's output, probabilities and
+                             dropout mask (as bits) and the other dropout masks; the rest (GELU,
+                             LayerNorm, residual sums, applying the masks; on CUDA the attention and
+                             the masks' draws too) is recomputed: PyTorch's selective activation
+                             checkpointing
     offload                  (every layer, CUDA) everything, in pinned host memory: copied out during
                              forward, back for backward (torch.autograd.graph.save_on_cpu)
 """
@@ -30,6 +32,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from .config import parse_grad_ckpt
+from .model import CPU_OPERATORS
 
 POLICIES = ("none", "alternate", "all", "selective", "offload")  # the named ones; every:K besides
 
@@ -56,10 +59,18 @@ def _checkpoint_in_training(module: nn.Module, *args, **kwargs):
 
 
 # Selective: what a layer keeps. Matmuls are worth keeping (their recomputation is most of a
-# forward); everything else is element-wise and cheap to redo. Random ops (dropout masks) must be
-# recomputed, never kept: the recomputation replays the generator from the layer's start, and a
-# kept draw would shift every later one.
-_KEEP = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default}
+# forward); the element-wise work between them is cheap to redo. On CPU two operators are kept
+# whole as well: the attention (`hpcbert::cpu_attention`: its output, the probabilities and the
+# dropout mask) and the dropout masks (`hpcbert::keep_mask`). Redoing them is what made
+# selective cost 1.15-1.27x none's step there: for one minilm-l6 layer at batch 32, length 128
+# (bf16, 2-core EPYC) the attention mask's draw took 3.0 ms, softmax 2.2, applying the mask 0.8
+# and the two hidden masks' draws 1.5, against 0.7 for GELU and 0.5 for both LayerNorms. The
+# attention mask is kept as bits (wrap_layers sets pack_dropout_mask): as bytes selective would
+# keep ~0.78x none's bytes at length 128 and ~0.88x at 512. Random draws are kept all or none:
+# the recomputation replays the generator from the layer's start, so keeping one draw and
+# redrawing a later one would shift it. On CPU every draw is in those two operators (kept); on
+# CUDA dropout and flash attention draw and are both recomputed.
+_KEEP = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default, *CPU_OPERATORS}
 
 
 def _selective_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
@@ -95,6 +106,7 @@ def wrap_layers(model: nn.Module, policy: str) -> list[int]:
     fn = {"selective": _selective_in_training, "offload": _offload_in_training}.get(policy, _checkpoint_in_training)
     chosen = ckpt_layer_indices(policy, len(layers))
     for i in chosen:
+        layers[i].attention.self.pack_dropout_mask = policy == "selective"
         layers[i] = checkpoint_wrapper(layers[i], checkpoint_fn=fn)
     if policy == "all":
         model.bert.embeddings = checkpoint_wrapper(model.bert.embeddings, checkpoint_fn=fn)
@@ -108,6 +120,7 @@ def unwrap_layers(model: nn.Module) -> None:
     for i, layer in enumerate(layers):
         if isinstance(layer, CheckpointWrapper):
             layers[i] = layer._checkpoint_wrapped_module
+            layers[i].attention.self.pack_dropout_mask = False
     if isinstance(model.bert.embeddings, CheckpointWrapper):
         model.bert.embeddings = model.bert.embeddings._checkpoint_wrapped_module
 
