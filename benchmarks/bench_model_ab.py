@@ -46,6 +46,9 @@ WORKLOADS = {"sst-2": ("classifier", 32, (10, 20), 2), "mrpc": ("classifier", 32
 def load_model_file(rev: str, tmp: Path):
     src = subprocess.run(["git", "show", f"{rev}:BERT/hpcbert/model.py"], cwd=ROOT, check=True,
                          capture_output=True, text=True).stdout
+    # Its custom operators under a namespace of their own: registering hpcbert::<op> a second time
+    # would silently replace the current file's operator, and both sides would run the earlier one.
+    src = src.replace('"hpcbert::', '"hpcbert_earlier::').replace("torch.ops.hpcbert.", "torch.ops.hpcbert_earlier.")
     path = tmp / "model_earlier.py"
     path.write_text(src)
     spec = importlib.util.spec_from_file_location("model_earlier", path)

@@ -575,3 +575,23 @@ def test_a_version_1_summary_reads_with_the_keys_added_since_as_null(tmp_path):
     write_json(run / "summary.json", {**s, "schema_version": 1})
     with pytest.raises(ValueError, match="missing key.s. steps"):
         read_summary(run)
+
+
+def test_model_ab_loads_an_earlier_model_file_without_taking_over_the_current_operators(tmp_path, monkeypatch):
+    """bench_model_ab imports an earlier model.py beside the current one. A custom operator
+    registered twice under one name silently runs the second registration everywhere, so the
+    earlier file's must live under their own name: the current operator still runs the current
+    file's code (its module globals are what this counts), and the earlier one runs too."""
+    if subprocess.run(["git", "cat-file", "-e", "HEAD:BERT/hpcbert/model.py"], cwd=ROOT).returncode:
+        pytest.skip("not a git checkout with a committed model.py")
+    import torch
+
+    from hpcbert import model
+    ab = _benchmark_script("bench_model_ab")
+    earlier = ab.load_model_file("HEAD", tmp_path)
+    seen = []
+    monkeypatch.setattr(model, "cpu_value", lambda t: seen.append(t) or t.item())
+    torch.ops.hpcbert.keep_mask([64], 6554, torch.device("cpu"))
+    assert len(seen) == 1
+    keep, _ = earlier.keep_mask((64,), 0.1, torch.device("cpu"))
+    assert keep.shape == (64,) and len(seen) == 1
