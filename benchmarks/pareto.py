@@ -11,7 +11,9 @@ hpcbert.plan on the whole model in FakeTensorMode at the full length. Time: in t
 fresh copy of the model per policy and round (random weights, dropout 0.1), full-length batches
 (every step the same work), a whole training step (forward, backward, AdamW); policies
 interleaved, `--rounds` rounds; a policy's step time is its fastest timed step over all rounds
-(contention on a shared machine only ever adds time), relative to `none`'s.
+(contention on a shared machine only ever adds time), relative to `none`'s. The host allocator is set
+as in every hpcbert run. Beside it, the bound a policy that reruns whole modules cannot beat: one
+more forward of those modules, timed inside `none`'s steps.
 """
 
 from __future__ import annotations
@@ -60,14 +62,18 @@ def measure(model_name: str, length: int, rounds: int, steps: int, threads: int,
     batch, norm = obj.example_batch(B, length, base.config.vocab_size)
     batch = batch.to(device)
     times: dict[str, list[float]] = {p: [] for p in runnable}
+    forward_s: list[dict[str, float]] = []  # none's steps: each wrappable module's forward time
     for r in range(rounds):
         for p in runnable[r % len(runnable):] + runnable[:r % len(runnable)]:
             model = copy.deepcopy(base).train()
             policies.wrap_layers(model, p)
             opt = make_optimizer(cfg, model, 1e-5, device)
+            spans = _time_forwards(model, device) if p == "none" else None
             for i in range(1 + steps):  # the first step of a fresh model is not timed
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
+                if spans is not None:
+                    spans.clear()
                 t0 = time.perf_counter()
                 with policies.autocast(precision, device):
                     loss = obj.loss(model, obj.forward(model, batch), batch, norm)
@@ -78,10 +84,53 @@ def measure(model_name: str, length: int, rounds: int, steps: int, threads: int,
                     torch.cuda.synchronize(device)
                 if i:
                     times[p].append(time.perf_counter() - t0)
+                    if spans is not None:
+                        forward_s.append(dict(spans))
             del model, opt
             say(f"{model_name} {length} round {r + 1}: {p} fastest {min(times[p]):.3f} s")
     return {"model": model_name, "length": length, "batch": B, "precision": precision, "rounds": rounds,
-            "steps_per_round": steps, "bytes_per_sequence": bytes_, "step_times_s": times}
+            "steps_per_round": steps, "bytes_per_sequence": bytes_, "step_times_s": times,
+            "none_forward_s": forward_s}
+
+
+def _time_forwards(model, device) -> dict[str, float]:
+    """Hooks timing the forward of every module a policy can wrap (the embeddings and each encoder
+    layer, by the names recompute_bound reads); the returned dict holds the current step's."""
+    import torch
+
+    spans: dict[str, float] = {}
+    mods = {"embeddings": model.bert.embeddings, **{f"layer.{i}": l for i, l in enumerate(model.bert.encoder.layer)}}
+    for name, mod in mods.items():
+        def pre(_m, _a, name=name):
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            spans[name] = -time.perf_counter()
+
+        def post(_m, _a, _o, name=name):
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            spans[name] += time.perf_counter()
+        mod.register_forward_pre_hook(pre)
+        mod.register_forward_hook(post)
+    return spans
+
+
+def recompute_bound(e: dict, policy: str) -> float | None:
+    """The step time relative to none's if recomputation cost exactly one more forward of the modules
+    `policy` wraps, taken from none's fastest step (its own forward times): 1 + their forward time / that
+    step's time. None for the policies that do not rerun whole modules (none, selective, offload) and for
+    entries measured before the forward times were recorded."""
+    from hpcbert import policies
+
+    if policy not in ("alternate", "all") and not policy.startswith("every:") or not e.get("none_forward_s"):
+        return None
+    steps = e["step_times_s"]["none"]
+    k = min(range(len(steps)), key=steps.__getitem__)
+    spans = e["none_forward_s"][k]
+    layers = sum(1 for n in spans if n.startswith("layer."))
+    wrapped = [f"layer.{i}" for i in policies.ckpt_layer_indices(policy, layers)]
+    wrapped += ["embeddings"] if policy == "all" else []  # policies.wrap_layers wraps them under all
+    return 1 + sum(spans[n] for n in wrapped) / steps[k]
 
 
 def machine(threads: int) -> dict:
@@ -121,11 +170,14 @@ def render_readme(results: Path = RESULTS) -> str:
             verdict = "—" if tb is None else ("PASS" if b / none_b <= tb and t / none_t <= tt else
                                              "MISS (" + ", ".join(w for w, ok in (("bytes", b / none_b <= tb),
                                                                                   ("time", t / none_t <= tt)) if not ok) + ")")
+            bound = recompute_bound(e, p)
             rows.append([e["model"], str(e["length"]), str(e["batch"]), e["precision"], p, f"{b / 2**20:.1f}",
                          f"**{b / none_b:.2f}x**", f"{t:.3f}", f"**{t / none_t:.2f}x**",
+                         "—" if bound is None else f"{bound:.2f}x",
                          "—" if tb is None else f"≤ {tb:.2f}x, ≤ {tt:.2f}x", verdict])
     out += [markdown_grid(["model", "length", "batch", "precision", "policy", "act MiB/seq", "bytes vs none",
-                           "fastest step s", "time vs none", "target (bytes, time)", "verdict"], rows).rstrip("\n"), ""]
+                           "fastest step s", "time vs none", "one-forward bound", "target (bytes, time)", "verdict"],
+                          rows).rstrip("\n"), ""]
     out += ["Bytes: activations kept for backward per sequence at the full length, as the run's summary counts them "
             "(storages created during forward and alive at its end, batch 2 minus batch 1), measured on the whole "
             "model in FakeTensorMode by `hpcbert.plan`. Time: a whole training step (forward, backward, AdamW) on "
@@ -135,13 +187,23 @@ def render_readme(results: Path = RESULTS) -> str:
             "and appears only where the run had a GPU. The batches are what a step of a 2-core CPU does in a few "
             "seconds; at batch 1 or 2 the optimizer's pass over every parameter (bert-large: 335 M) is a fixed part "
             "of each step that recomputation does not add to, so those rows' time ratios are lower than at the "
-            "batch a GPU would run. Few rounds of few steps: a ratio within a few percent of 1 is within noise.", ""]
+            "batch a GPU would run. Few rounds of few steps: a ratio within a few percent of 1 is within noise. "
+            "The process sets the host allocator as every hpcbert run does (`hpcbert.dist.tune_host_allocator`; "
+            "measurements from before it did are marked below): with glibc's default, `none`, which allocates the "
+            "most each step, pays the most page faults, and the policies' ratios come out lower.", "",
+            "One-forward bound: the time vs none a policy that reruns whole modules (`alternate`, `all`) would "
+            "take if its recomputation cost exactly one more forward of the modules it wraps: 1 + their forward "
+            "time / the step time, both from `none`'s fastest step (hooks time each module's forward there). A "
+            "time target below the bound cannot be met by recomputing faster, only by recomputing less. "
+            "Recomputing one forward costs about a third of a step where backward takes twice the forward; "
+            "on a CPU, where the forward also draws every dropout mask and backward only applies them, the "
+            "forward's share and so the bound are higher.", ""]
     for m in doc["measurements"]:
         mc = m["machine"]
         where = mc["gpu"] or f"{mc['cpu']}, {mc['cores']} cores, {mc['threads']} threads"
         out += [f"- `{m['command']}`: {m['date']}, {where}; native bf16: {'yes' if mc['native_bf16'] else 'no'} "
                 f"(precision auto: {', '.join(sorted({e['precision'] for e in doc['entries']}))}); torch {mc['torch']}; "
-                f"{m['rounds']} rounds of {m['steps']} timed steps"
+                f"{m['rounds']} rounds of {m['steps']} timed steps; host allocator: {mc.get('host_allocator', 'system (not set)')}"
                 + (f"; hpcbert commit {mc['hpcbert_commit']}{' (BERT/ modified)' if mc.get('hpcbert_source_modified') else ''}"
                    if mc.get("hpcbert_commit") else "") + "."]
     return "\n".join(out) + "\n"
@@ -171,10 +233,14 @@ def main(argv: list[str] | None = None) -> int:
 
         path = results / "pareto.json"
         doc = read_json_object(path) if path.is_file() else {"entries": [], "measurements": []}
+        from hpcbert.dist import tune_host_allocator
+
+        allocator = tune_host_allocator()  # as every run sets it (dist.init)
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
         doc["measurements"].append({"command": "python benchmarks/pareto.py " + shlex.join(sys.argv[1:] if argv is None else argv),
-                                    "date": date, "machine": machine(a.threads), "rounds": a.rounds, "steps": a.steps})
+                                    "date": date, "machine": {**machine(a.threads), "host_allocator": allocator},
+                                    "rounds": a.rounds, "steps": a.steps})
         for model in a.models.split(","):
             for length in (int(x) for x in a.lengths.split(",")):
                 e = measure(model, length, a.rounds, a.steps, a.threads, device)

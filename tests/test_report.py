@@ -595,3 +595,33 @@ def test_model_ab_loads_an_earlier_model_file_without_taking_over_the_current_op
     assert len(seen) == 1
     keep, _ = earlier.keep_mask((64,), 0.1, torch.device("cpu"))
     assert keep.shape == (64,) and len(seen) == 1
+
+
+def test_pareto_bound_is_one_more_forward_of_the_wrapped_modules():
+    """pareto.py's one-forward bound: 1 + the forward time of the modules a policy wraps (alternate:
+    layers 0 and 2 of 4; all: every layer and the embeddings) / none's step time, from none's fastest
+    step; hand-computed on a made-up entry. The hooks that time the forwards see every module once
+    per forward, each inside the forward's wall time."""
+    import time
+
+    import torch
+
+    pareto = _benchmark_script("pareto")
+    spans = [{"embeddings": 0.5, "layer.0": 0.5, "layer.1": 0.5, "layer.2": 0.5, "layer.3": 0.5},
+             {"embeddings": 0.01, "layer.0": 0.1, "layer.1": 0.2, "layer.2": 0.3, "layer.3": 0.4}]
+    e = {"step_times_s": {"none": [1.5, 1.0]}, "none_forward_s": spans}
+    assert pareto.recompute_bound(e, "alternate") == pytest.approx(1 + (0.1 + 0.3) / 1.0)
+    assert pareto.recompute_bound(e, "all") == pytest.approx(1 + (0.01 + 0.1 + 0.2 + 0.3 + 0.4) / 1.0)
+    assert pareto.recompute_bound(e, "every:3") == pytest.approx(1 + (0.1 + 0.4) / 1.0)
+    assert pareto.recompute_bound(e, "selective") is None and pareto.recompute_bound(e, "none") is None
+    assert pareto.recompute_bound({"step_times_s": {"none": [1.0]}}, "all") is None  # measured before
+
+    from hpcbert.model import BertConfig, BertForSequenceClassification
+    model = BertForSequenceClassification(BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=3,
+                                                     num_attention_heads=2, intermediate_size=32)).train()
+    got = pareto._time_forwards(model, torch.device("cpu"))
+    t0 = time.perf_counter()
+    model(torch.randint(0, 50, (2, 8)))
+    wall = time.perf_counter() - t0
+    assert sorted(got) == ["embeddings", "layer.0", "layer.1", "layer.2"]
+    assert all(v > 0 for v in got.values()) and sum(got.values()) < wall
