@@ -960,15 +960,29 @@ def render_accuracy(doc: dict) -> str:
 
 def cmd_policies(a) -> int:
     """The runs `hpcbert bench` makes (synthetic task, dynamic padding, length-grouped sampler, the
-    same seed, so step i trains on the same batch in every run), but --max-steps instead of a
-    time box, so every policy runs the same steps; the statistic is the bench's (best of repeats
-    per step)."""
+    same seed, so step i trains on the same batch in every run), each policy in processes of its
+    own, on a training set of --epoch-batches batches passed over --passes times; only the last pass
+    is compared, the statistic is the bench's (best of repeats per step).
+
+    Why passes: a fresh process's heap grows through its first steps, every new batch shape paying
+    page faults for memory it has not touched yet, and `none`, which allocates the most, pays the
+    most (steps 3 to 10 of a minilm-l6 run: ~120,000 faults under none, ~70,000 under all; the same
+    batches again in the same process: ~23,000 and ~0). A 10-step run compares policies in that
+    growth and puts all/none ~5% below the steady state a long run (and the bench) is in. With the
+    same few batches every pass (the length-grouped sampler sorts the whole set in one mega-batch,
+    so each pass has the same batch shapes), the last pass runs on a grown heap."""
+    if a.passes < 2 or a.epoch_batches < 1:
+        raise SystemExit(f"compare_hf.py policies: --passes {a.passes} --epoch-batches {a.epoch_batches}; accepted: "
+                         "--passes 2 or more (the last pass is compared, after the others grew the heap) and "
+                         "--epoch-batches 1 or more")
     results, work = Path(a.results_dir), Path(a.work_dir)
     models = [m for m in a.models.split(",") if m.strip()]
     precision = a.precision or ("bf16" if native_bf16() else "fp32")  # what hpcbert's auto resolves to here
     doc = header("policies", a.threads)
+    steps, excluded = a.epoch_batches * a.passes, a.epoch_batches * (a.passes - 1)
     doc["settings"] = {"models": {m: POLICY_MODELS[m] for m in models}, "max_seq_length": SEQ_LEN,
-                       "steps": a.steps, "warmup_steps_excluded": a.warmup_excluded, "repeats": a.repeats,
+                       "epoch_batches": a.epoch_batches, "passes": a.passes,
+                       "steps": steps, "warmup_steps_excluded": excluded, "repeats": a.repeats,
                        "threads": a.threads, "task": "synthetic", "precision": precision,
                        "policies": list(POLICIES)}
     doc["notes"] = [
@@ -979,6 +993,11 @@ def cmd_policies(a) -> int:
         "order (checked: the per-step token counts agree), and runs log every step (--log-every 1, outside the "
         "timed step). A policy's time vs none = sum over the compared steps of each step's fastest time over the "
         "repeats, over the same sum for none (`hpcbert.bench.best_of_repeats`, the statistic `hpcbert bench` uses).",
+        f"Each run trains {a.passes} passes (--epochs) over a set of {a.epoch_batches} batches "
+        "(--synthetic-train-size = that many batches); the length-grouped sampler sorts so small a set in one "
+        "mega-batch, so every pass has the same batch shapes in its own order. Only the last pass is compared: "
+        "through its first steps a fresh process's heap grows, each new shape paying page faults for untouched "
+        "memory, and none, which allocates the most, pays the most; by the last pass every shape has run twice.",
         "bert-base has random weights (throughput shape only).",
         noise_note(a),
     ]
@@ -990,9 +1009,10 @@ def cmd_policies(a) -> int:
             for policy in order:
                 name = f"pol-{model}-{policy}-r{rep}"
                 args = ["--task", "synthetic", "--model", model, "--max-seq-length", str(SEQ_LEN), "--batch-size",
-                        str(POLICY_MODELS[model]), "--max-steps", str(a.steps), "--no-do-eval", "--no-save-model",
-                        "--warmup-steps-excluded", str(a.warmup_excluded), "--grad-ckpt", policy,
-                        "--seed", str(SEED), "--log-every", "1", "--epochs", "1", "--lr", "5e-05"]
+                        str(POLICY_MODELS[model]), "--max-steps", str(steps), "--no-do-eval", "--no-save-model",
+                        "--synthetic-train-size", str(a.epoch_batches * POLICY_MODELS[model]),
+                        "--warmup-steps-excluded", str(excluded), "--grad-ckpt", policy,
+                        "--seed", str(SEED), "--log-every", "1", "--epochs", str(a.passes), "--lr", "5e-05"]
                 if a.precision:
                     args += ["--precision", a.precision]
                 rec = measured(lambda: hpcbert_record(hpcbert_run(name, work, a.threads, args, a.wait_quiet)), a)
@@ -1201,7 +1221,9 @@ def render_policies(doc: dict) -> str:
     s = doc["settings"]
     summary = policies_summary(doc)
     lines = [f"hpcbert, synthetic task (random lengths up to 128, computed unpadded), {s['threads']} threads, "
-             f"{s['steps']} steps per run, {s['repeats']} interleaved repeat(s); batch: "
+             + (f"{s['passes']} passes over {s['epoch_batches']} batches ({s['steps']} steps) per run, the last "
+                f"pass compared" if "passes" in s else f"{s['steps']} steps per run")
+             + f", {s['repeats']} interleaved repeat(s); batch: "
              + ", ".join(f"{m} {b}" for m, b in s["models"].items()) + "; compared steps: "
              + ", ".join(f"{r['model']} {r['steps_compared'][0]}..{r['steps_compared'][1]}"
                          for r in summary if r["policy"] == "none")
@@ -1349,8 +1371,10 @@ def main(argv: list[str] | None = None) -> int:
     q = sub.add_parser("policies", help="hpcbert checkpointing policies: activation bytes and step time vs none")
     common(q, data=False)
     q.add_argument("--models", default=",".join(POLICY_MODELS), help="comma-separated (default: %(default)s)")
-    q.add_argument("--steps", type=int, default=10, help="optimizer steps per run (default: %(default)s)")
-    q.add_argument("--warmup-excluded", type=int, default=2, help="first steps left out (default: %(default)s)")
+    q.add_argument("--epoch-batches", type=int, default=10,
+                   help="batches in the training set each run passes over (default: %(default)s)")
+    q.add_argument("--passes", type=int, default=3,
+                   help="passes over it per run; only the last is compared (default: %(default)s)")
     q.add_argument("--repeats", type=int, default=3, help="interleaved repeats (default: %(default)s)")
     q.add_argument("--wait-quiet", type=float, default=120,
                    help="before each run, wait up to this many seconds for other work to use < 0.3 cores "
