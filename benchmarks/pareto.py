@@ -68,12 +68,12 @@ def measure(model_name: str, length: int, rounds: int, steps: int, threads: int,
             model = copy.deepcopy(base).train()
             policies.wrap_layers(model, p)
             opt = make_optimizer(cfg, model, 1e-5, device)
-            spans = _time_forwards(model, device) if p == "none" else None
+            timer = ForwardTimer(model, device) if p == "none" else None
             for i in range(1 + steps):  # the first step of a fresh model is not timed
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
-                if spans is not None:
-                    spans.clear()
+                if timer is not None:
+                    timer.clear()
                 t0 = time.perf_counter()
                 with policies.autocast(precision, device):
                     loss = obj.loss(model, obj.forward(model, batch), batch, norm)
@@ -84,8 +84,8 @@ def measure(model_name: str, length: int, rounds: int, steps: int, threads: int,
                     torch.cuda.synchronize(device)
                 if i:
                     times[p].append(time.perf_counter() - t0)
-                    if spans is not None:
-                        forward_s.append(dict(spans))
+                    if timer is not None:
+                        forward_s.append(timer.read())
             del model, opt
             say(f"{model_name} {length} round {r + 1}: {p} fastest {min(times[p]):.3f} s")
     return {"model": model_name, "length": length, "batch": B, "precision": precision, "rounds": rounds,
@@ -93,26 +93,37 @@ def measure(model_name: str, length: int, rounds: int, steps: int, threads: int,
             "none_forward_s": forward_s}
 
 
-def _time_forwards(model, device) -> dict[str, float]:
+class ForwardTimer:
     """Hooks timing the forward of every module a policy can wrap (the embeddings and each encoder
-    layer, by the names recompute_bound reads); the returned dict holds the current step's."""
-    import torch
+    layer, by the names recompute_bound reads), for the step since `clear()`. On CUDA with events
+    recorded on the stream, not synchronisations, so the timed step runs as without them; `read()`
+    after the step's closing synchronisation."""
 
-    spans: dict[str, float] = {}
-    mods = {"embeddings": model.bert.embeddings, **{f"layer.{i}": l for i, l in enumerate(model.bert.encoder.layer)}}
-    for name, mod in mods.items():
-        def pre(_m, _a, name=name):
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            spans[name] = -time.perf_counter()
+    def __init__(self, model, device) -> None:
+        import torch
 
-        def post(_m, _a, _o, name=name):
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            spans[name] += time.perf_counter()
-        mod.register_forward_pre_hook(pre)
-        mod.register_forward_hook(post)
-    return spans
+        self.cuda = device.type == "cuda"
+        self.marks: dict[str, list] = {}
+        mods = {"embeddings": model.bert.embeddings, **{f"layer.{i}": l for i, l in enumerate(model.bert.encoder.layer)}}
+        for name, mod in mods.items():
+            def mark(*_, name=name):
+                if self.cuda:
+                    ev = torch.cuda.Event(enable_timing=True)
+                    ev.record()
+                    self.marks.setdefault(name, []).append(ev)
+                else:
+                    self.marks.setdefault(name, []).append(time.perf_counter())
+            mod.register_forward_pre_hook(mark)
+            mod.register_forward_hook(mark)
+
+    def clear(self) -> None:
+        self.marks.clear()
+
+    def read(self) -> dict[str, float]:
+        """Seconds per module: its forward's end minus its start (its last forward of the step)."""
+        if self.cuda:
+            return {n: m[-2].elapsed_time(m[-1]) / 1e3 for n, m in self.marks.items()}
+        return {n: m[-1] - m[-2] for n, m in self.marks.items()}
 
 
 def recompute_bound(e: dict, policy: str) -> float | None:

@@ -619,9 +619,10 @@ def test_pareto_bound_is_one_more_forward_of_the_wrapped_modules():
     from hpcbert.model import BertConfig, BertForSequenceClassification
     model = BertForSequenceClassification(BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=3,
                                                      num_attention_heads=2, intermediate_size=32)).train()
-    got = pareto._time_forwards(model, torch.device("cpu"))
+    timer = pareto.ForwardTimer(model, torch.device("cpu"))
     t0 = time.perf_counter()
     model(torch.randint(0, 50, (2, 8)))
     wall = time.perf_counter() - t0
+    got = timer.read()
     assert sorted(got) == ["embeddings", "layer.0", "layer.1", "layer.2"]
     assert all(v > 0 for v in got.values()) and sum(got.values()) < wall
