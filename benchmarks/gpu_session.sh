@@ -36,7 +36,9 @@ part() {  # part SECONDS NAME COMMAND...
 PARTS=" ${PARTS:-throughput mfu large tests} "  # a later call can rerun some of them
 [[ $PARTS == *" throughput "* ]] && part "${T_THROUGHPUT:-110}" throughput \
     python3 benchmarks/gpu.py throughput --data-dir "$GLUE" "${tok[@]}" --results-dir "$OUT"
-[[ $PARTS == *" mfu "* ]] && part "${T_MFU:-40}" mfu python3 benchmarks/gpu.py mfu "${tok[@]}" --results-dir "$OUT"
+# MFU eager, then compiled (MFU_COMPILE=off skips the compile; its first steps compile, left out)
+[[ $PARTS == *" mfu "* ]] && part "${T_MFU:-150}" mfu python3 benchmarks/gpu.py mfu "${tok[@]}" \
+    --compile "${MFU_COMPILE:-off,on}" --results-dir "$OUT"
 [[ $PARTS == *" large "* ]] && part "${T_LARGE:-120}" large python3 benchmarks/gpu.py large --results-dir "$OUT"
 python3 benchmarks/gpu.py render --results-dir "$OUT" >/dev/null
 if [[ $PARTS == *" tests "* ]]; then
