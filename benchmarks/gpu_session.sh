@@ -40,6 +40,9 @@ PARTS=" ${PARTS:-throughput mfu large tests} "  # a later call can rerun some of
 [[ $PARTS == *" mfu "* ]] && part "${T_MFU:-150}" mfu python3 benchmarks/gpu.py mfu "${tok[@]}" \
     --compile "${MFU_COMPILE:-off,on}" --results-dir "$OUT"
 [[ $PARTS == *" large "* ]] && part "${T_LARGE:-120}" large python3 benchmarks/gpu.py large --results-dir "$OUT"
+# Not in the default parts (the defaults fill one 10-minute call): PARTS=pareto in a call of its own
+[[ $PARTS == *" pareto "* ]] && part "${T_PARETO:-300}" pareto python3 benchmarks/pareto.py --rounds 3 \
+    --results-dir "$OUT/pareto"
 python3 benchmarks/gpu.py render --results-dir "$OUT" >/dev/null
 if [[ $PARTS == *" tests "* ]]; then
     part "${T_TESTS:-170}" "pytest -m gpu" python3 -m pytest -m gpu -n 0 -p no:cacheprovider -q -rA tests/ \

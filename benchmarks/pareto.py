@@ -36,6 +36,10 @@ POLICIES = ("none", "selective", "alternate", "all", "offload")
 # per-device batch per (model, length): what a step of this CPU does in a few seconds
 BATCH = {("minilm-l6", 128): 32, ("minilm-l6", 512): 4, ("bert-base", 128): 8, ("bert-base", 512): 2,
          ("bert-large", 128): 2, ("bert-large", 512): 1}
+# on a GPU: batches a training run would use, whose activations under none (bf16: 3 to 12 GB at the
+# CPU-measured bytes per sequence) leave an 80 GB card room for every policy
+BATCH_CUDA = {("minilm-l6", 128): 256, ("minilm-l6", 512): 64, ("bert-base", 128): 128, ("bert-base", 512): 32,
+              ("bert-large", 128): 64, ("bert-large", 512): 16}
 TARGETS = {"selective": (0.75, 1.05), "alternate": (0.55, 1.15), "all": (0.10, 1.35)}  # (bytes, time) vs none
 
 
@@ -56,7 +60,7 @@ def measure(model_name: str, length: int, rounds: int, steps: int, threads: int,
     runnable = [p for p in POLICIES if p != "offload" or device.type == "cuda"]
     bytes_ = {p: plan.measure_activations(cfg, p, device, precision)[0] for p in runnable}
     obj = objectives.get(cfg)
-    B = BATCH[(model_name, length)]
+    B = (BATCH_CUDA if device.type == "cuda" else BATCH)[(model_name, length)]
     torch.manual_seed(0)
     base = obj.build_model(plan._model_config(cfg)).to(device)
     batch, norm = obj.example_batch(B, length, base.config.vocab_size)
@@ -195,8 +199,8 @@ def render_readme(results: Path = RESULTS) -> str:
             "full-length batches (no padding, so every step does the same work), in one process, a fresh copy of the "
             "model per policy and round, policies interleaved; the fastest timed step of a policy over all rounds "
             "(other work only ever adds time) divided by `none`'s. Random weights; dropout 0.1. `offload` needs CUDA "
-            "and appears only where the run had a GPU. The batches are what a step of a 2-core CPU does in a few "
-            "seconds; at batch 1 or 2 the optimizer's pass over every parameter (bert-large: 335 M) is a fixed part "
+            "and appears only where the run had a GPU. On CPU the batches are what a step of a 2-core CPU does in a few "
+            "seconds (on a GPU, those of a training run: `BATCH_CUDA`); at batch 1 or 2 the optimizer's pass over every parameter (bert-large: 335 M) is a fixed part "
             "of each step that recomputation does not add to, so those rows' time ratios are lower than at the "
             "batch a GPU would run. Few rounds of few steps: a ratio within a few percent of 1 is within noise. "
             "The process sets the host allocator as every hpcbert run does (`hpcbert.dist.tune_host_allocator`; "
