@@ -203,8 +203,8 @@ def render_readme(results: Path = RESULTS) -> str:
             "seconds (on a GPU, those of a training run: `BATCH_CUDA`); at batch 1 or 2 the optimizer's pass over every parameter (bert-large: 335 M) is a fixed part "
             "of each step that recomputation does not add to, so those rows' time ratios are lower than at the "
             "batch a GPU would run. Few rounds of few steps: a ratio within a few percent of 1 is within noise. "
-            "The process sets the host allocator as every hpcbert run does (`hpcbert.dist.tune_host_allocator`; "
-            "measurements from before it did are marked below): with glibc's default, `none`, which allocates the "
+            "The process sets the host allocator as every hpcbert run does (`hpcbert.dist.tune_host_allocator`; each "
+            "measurement below names the setting it ran with): with glibc's default, `none`, which allocates the "
             "most each step, pays the most page faults, and the policies' ratios come out lower.", "",
             "One-forward bound: the time vs none a policy that reruns whole modules (`alternate`, `all`) would "
             "take if its recomputation cost exactly one more forward of the modules it wraps: 1 + their forward "
