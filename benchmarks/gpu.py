@@ -5,6 +5,7 @@ test; results/gpu/README.md is generated from the JSON files it writes (`render`
 
     python benchmarks/gpu.py throughput --data-dir GLUE_DIR [--tokenizer DIR]   hpcbert vs Trainer, bert-base
     python benchmarks/gpu.py mfu [--batches 256]                                 hpcbert alone, synthetic
+    python benchmarks/gpu.py profile [--compile off]                             where mfu's step spends its time
     python benchmarks/gpu.py large [--memory 24GiB]                              bert-large 512, every policy
     python benchmarks/gpu.py render                                              results/gpu/README.md
 
@@ -15,6 +16,12 @@ Both sides time the same span (compare_hf.SPAN_NOTE) and synchronise the device 
 MFU counts the model FLOPs of the real tokens (hpcbert.model.batch_flops) against the GPU's
 data-sheet bf16 peak; on equal batches the Trainer does the same FLOPs per step, so its MFU is
 hpcbert's divided by the ratio.
+
+profile: the mfu run's command (`hpcbert train`, bert-base, synthetic, batch 256) with torch.profiler
+around a few steps after the warm-up (Trainer.step wrapped in a child process): each operator's own
+device time, grouped into matmuls, attention, optimizer and clipping, and the rest (element-wise,
+LayerNorm, dropout, copies), beside the steps' wall time: what the device did not fill is host time.
+The profiled run is not the timed one (the profiler adds host time).
 
 large: one process; per policy a fresh copy of the model on the GPU under a memory cap
 (torch.cuda.set_per_process_memory_fraction), the largest batch whose two whole training steps in a
@@ -164,6 +171,96 @@ def cmd_mfu(a) -> int:
     return 0
 
 
+# The child of `profile`: `hpcbert train` with Trainer.step wrapped so that steps FIRST..FIRST+N-1
+# run under torch.profiler; writes each operator's (CPU-side event's) own device and host time.
+PROFILE_CHILD = r"""
+import json, sys, time, torch
+from torch.autograd import DeviceType
+from torch.profiler import ProfilerActivity, profile
+from hpcbert import cli, train as T
+first, n, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+cuda = torch.cuda.is_available()
+seen, held, step = [0], {}, T.Trainer.step
+def sync():
+    if cuda:
+        torch.cuda.synchronize()
+def profiled(self, *a, **k):
+    i = seen[0]
+    seen[0] += 1
+    if i == first:
+        sync()
+        held["prof"] = profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else []))
+        held["prof"].__enter__()
+        held["t0"] = time.perf_counter()
+    r = step(self, *a, **k)
+    if i == first + n - 1:
+        sync()
+        wall = time.perf_counter() - held["t0"]
+        held["prof"].__exit__(None, None, None)
+        ops = [{"name": e.key, "calls": e.count, "self_device_us": getattr(e, "self_device_time_total", 0.0),
+                "self_cpu_us": e.self_cpu_time_total} for e in held["prof"].key_averages()
+               if e.device_type == DeviceType.CPU]
+        json.dump({"steps": n, "first_step": first + 1, "wall_s": wall, "ops": ops}, open(out, "w"))
+    return r
+T.Trainer.step = profiled
+sys.exit(cli.main(sys.argv[4:]))
+"""
+PROFILE_GROUPS = (  # (group, substrings of operator names), first match wins
+    ("attention", ("flash", "attention", "scaled_dot_product")),
+    ("matmul", ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::addbmm", "aten::linear",
+                "aten::matmul", "gemm")),
+    ("optimizer and clipping", ("adam", "_foreach", "lamb")),
+)
+
+
+def profile_groups(ops: list[dict], steps: int, key: str = "self_device_us") -> dict[str, float]:
+    """Operators' own microseconds (`key`: device, or host for a CPU smoke run) summed per group
+    (PROFILE_GROUPS, else 'other'), in milliseconds per step."""
+    groups = {g: 0.0 for g, _ in PROFILE_GROUPS} | {"other": 0.0}
+    for op in ops:
+        name = op["name"].lower()
+        g = next((g for g, keys in PROFILE_GROUPS if any(k in name for k in keys)), "other")
+        groups[g] += op[key] / 1e3 / steps
+    return groups
+
+
+def cmd_profile(a) -> int:
+    need_cuda()
+    work = Path(a.work_dir)
+    doc = C.header("gpu-profile", a.threads)
+    doc["settings"] = {"task": "synthetic", "model": a.model, "max_seq_length": C.SEQ_LEN, "precision": "bf16",
+                       "batch": a.batch, "profiled_steps": a.steps, "after_steps": a.after}
+    doc["runs"] = []
+    path = Path(a.results_dir) / "profile.json"
+    for comp in a.compile.split(","):
+        total = a.after + a.steps + 2
+        args = ["train", "--task", "synthetic", "--model", a.model, "--max-seq-length", str(C.SEQ_LEN),
+                "--batch-size", str(a.batch), "--precision", "bf16", "--max-steps", str(total),
+                "--synthetic-train-size", str(a.batch * (total + 1)), "--no-do-eval", "--no-save-model",
+                "--compile", comp, "--log-every", "1", "--threads", str(a.threads)]
+        if a.tokenizer:
+            args += ["--tokenizer", a.tokenizer]
+        out = C.fresh_dir(work / "profile" / f"compile-{comp}")
+        raw = work / "profile" / f"ops-compile-{comp}.json"
+        args += ["--out", str(out)]
+        C.run_logged([sys.executable, "-c", PROFILE_CHILD, str(a.after), str(a.steps), str(raw), *args],
+                     work / "logs" / f"profile-compile-{comp}.log", a.threads)
+        prof = C.read_json(raw)
+        key = "self_device_us" if any(o["self_device_us"] for o in prof["ops"]) else "self_cpu_us"  # CPU smoke runs
+        ops = sorted(prof["ops"], key=lambda o: -o[key])
+        step_ms = 1e3 * prof["wall_s"] / prof["steps"]
+        groups = profile_groups(ops, prof["steps"], key)
+        rec = {"compile": comp, "step_ms": step_ms, "time_of": key, "device_busy_ms": sum(groups.values()),
+               "groups_ms": groups, "top_ops": [{**o, "device_ms_per_step": o[key] / 1e3 / prof["steps"]} for o in ops[:15]],
+               "argv": ["hpcbert", *args[:-2]]}
+        doc["runs"].append(rec)
+        say(f"profile compile {comp}: step {step_ms:.1f} ms, device busy {rec['device_busy_ms']:.1f} ms: "
+            + ", ".join(f"{g} {v:.1f}" for g, v in groups.items()))
+        C.write_json(path, doc)
+    print(render(Path(a.results_dir)))
+    return 0
+
+
 def cmd_large(a) -> int:
     torch = need_cuda()
     from hpcbert import objectives, plan, policies
@@ -213,6 +310,8 @@ def cmd_large(a) -> int:
             gc.collect()
             if cuda:
                 torch.cuda.empty_cache()
+                if hasattr(torch._C, "_host_emptyCache"):  # offload's pinned blocks, cached per size
+                    torch._C._host_emptyCache()
         return times
 
     def fits(model, b: int) -> bool:
@@ -227,12 +326,13 @@ def cmd_large(a) -> int:
 
     doc = C.header("gpu-large", a.threads)
     doc["settings"] = {"model": a.model, "max_seq_length": a.length, "precision": "bf16", "memory_cap_bytes": cap,
-                       "gpu_total_bytes": total, "timed_steps": a.steps, "probe_steps": 2}
+                       "gpu_total_bytes": total, "timed_steps": a.steps, "probe_steps": 2,
+                       "host_memory_bytes": a.host_memory}
     doc["policies"] = []
     path = Path(a.results_dir) / "large.json"
     for policy in a.policies:
         set_cap(1.0)
-        predicted = plan.make_plan(cfg, cap, dev, (policy,)).policies[0]
+        predicted = plan.make_plan(cfg, cap, dev, (policy,), host_bytes=a.host_memory).policies[0]
         model = copy.deepcopy(base).to(dev)
         policies.apply_grad_ckpt(model, policy)
         set_cap(cap / total)
@@ -282,7 +382,7 @@ def render(results: Path = RESULTS) -> str:
     from hpcbert.report import markdown_grid
     out = ["# hpcbert on a GPU", "", "Generated by `python benchmarks/gpu.py render` from the JSON files here; every "
            "figure comes from the command listed under its table.", ""]
-    tp, mfu, large = (results / f for f in ("throughput.json", "mfu.json", "large.json"))
+    tp, mfu, prof, large = (results / f for f in ("throughput.json", "mfu.json", "profile.json", "large.json"))
     if tp.is_file():
         doc = C.read_json(tp)
         s = doc["settings"]
@@ -315,6 +415,22 @@ def render(results: Path = RESULTS) -> str:
                 "", f"Synthetic pairs of lengths 8 to {s['max_seq_length']} (hpcbert's `--task synthetic`); "
                 f"{s['steps']} steps, the first {s['warmup_steps_excluded']} left out; peak: "
                 f"{doc['runs'][0]['peak_flops_source'] if doc['runs'] else '—'}.", "", f"- {_where(doc)}", ""]
+    if prof.is_file():
+        doc = C.read_json(prof)
+        s = doc["settings"]
+        groups = list(doc["runs"][0]["groups_ms"]) if doc["runs"] else []
+        rows = [[r["compile"], f"{r['step_ms']:.1f}", f"{r['device_busy_ms']:.1f} ({r['device_busy_ms'] / r['step_ms']:.0%})",
+                 *(f"{r['groups_ms'][g]:.1f} ({r['groups_ms'][g] / r['step_ms']:.0%})" for g in groups),
+                 ", ".join(f"`{o['name'][:40]}` {o['device_ms_per_step']:.1f}" for o in r["top_ops"][:4])]
+                for r in doc["runs"]]
+        out += [f"## Where a step goes: {s['model']}, synthetic task, length {s['max_seq_length']}, batch {s['batch']}, "
+                f"{s['precision']}", "",
+                markdown_grid(["--compile", "step ms", "device busy ms (share)", *(f"{g} ms" for g in groups),
+                               "top operators, device ms per step"], rows).rstrip("\n"), "",
+                f"torch.profiler over {s['profiled_steps']} steps after the first {s['after_steps']} of the mfu "
+                "run's command (a run of its own: the profiler adds host time); each operator's own device time, "
+                "grouped by name (`gpu.PROFILE_GROUPS`). Device busy is their sum; the rest of the step is "
+                "time the device waited for the host.", "", f"- {_where(doc)}", ""]
     if large.is_file():
         doc = C.read_json(large)
         s = doc["settings"]
@@ -414,6 +530,13 @@ def main(argv: list[str] | None = None) -> int:
     m.add_argument("--steps", type=int, default=40)
     m.add_argument("--warmup-excluded", type=int, default=10)
     m.add_argument("--compile", default="off", help="comma-separated --compile values to run")
+    f = sub.add_parser("profile")
+    common(f)
+    f.add_argument("--model", default=MODEL)
+    f.add_argument("--batch", type=int, default=256)
+    f.add_argument("--after", type=int, default=10, help="steps run before the profiled ones")
+    f.add_argument("--steps", type=int, default=5, help="steps profiled")
+    f.add_argument("--compile", default="off", help="comma-separated --compile values to run")
     g = sub.add_parser("large")
     common(g)
     g.add_argument("--model", default="bert-large")
@@ -421,6 +544,8 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--memory", default="24GiB", help="the cap the probe runs under and the plan is made for")
     g.add_argument("--policies", type=policy_list, default=",".join(POLICIES))
     g.add_argument("--steps", type=int, default=3)
+    g.add_argument("--host-memory", default=None, help="host memory offload's plan is made for (default: the "
+                   "host's available); its probe stops a little past that plan")
     r = sub.add_parser("render")
     r.add_argument("--results-dir", default=str(RESULTS))
     a = p.parse_args(argv)
@@ -431,12 +556,17 @@ def main(argv: list[str] | None = None) -> int:
             a.memory = parse_bytes(a.memory)
         except ValueError as e:
             p.error(str(e))  # names the option: "memory: cannot read ..."
+        try:
+            a.host_memory = parse_bytes(a.host_memory) if a.host_memory else None
+        except ValueError as e:
+            p.error("--host-" + str(e))
     if os.environ.get("HPCBERT_COMMIT"):  # a copy of the tree whose .git (if any) is not the commit
         C.HPCBERT_SRC.update(commit=os.environ["HPCBERT_COMMIT"], note="copy of commit")
     if getattr(a, "tokenizer", None):
         a.tokenizer = str(Path(a.tokenizer).resolve())
     Path(getattr(a, "results_dir")).mkdir(parents=True, exist_ok=True)
-    return {"throughput": cmd_throughput, "mfu": cmd_mfu, "large": cmd_large, "render": cmd_render}[a.command](a)
+    return {"throughput": cmd_throughput, "mfu": cmd_mfu, "profile": cmd_profile, "large": cmd_large,
+            "render": cmd_render}[a.command](a)
 
 
 if __name__ == "__main__":

@@ -33,20 +33,26 @@ part() {  # part SECONDS NAME COMMAND...
     timeout -k 10 "$limit" "$@"
     echo "== $name: exit $? after $((SECONDS - t0)) s (limit $limit s)"
 }
-PARTS=" ${PARTS:-throughput mfu large tests} "  # a later call can rerun some of them
+PARTS=" ${PARTS:-throughput mfu large tests} "  # a later call can rerun some of them; profile is opt-in
 [[ $PARTS == *" throughput "* ]] && part "${T_THROUGHPUT:-110}" throughput \
     python3 benchmarks/gpu.py throughput --data-dir "$GLUE" "${tok[@]}" --results-dir "$OUT"
 # MFU eager, then compiled (MFU_COMPILE=off skips the compile; its first steps compile, left out)
 [[ $PARTS == *" mfu "* ]] && part "${T_MFU:-150}" mfu python3 benchmarks/gpu.py mfu "${tok[@]}" \
     --compile "${MFU_COMPILE:-off,on}" --results-dir "$OUT"
-[[ $PARTS == *" large "* ]] && part "${T_LARGE:-120}" large python3 benchmarks/gpu.py large --results-dir "$OUT"
+# where the eager step's time goes (torch.profiler, a run of its own; PROFILE_COMPILE=off,on adds compiled)
+[[ $PARTS == *" profile "* ]] && part "${T_PROFILE:-60}" profile python3 benchmarks/gpu.py profile "${tok[@]}" \
+    --compile "${PROFILE_COMPILE:-off}" --results-dir "$OUT"
+# LARGE_ARGS: e.g. "--memory 16GiB --steps 2 --host-memory 32GiB" (offload's plan and probe for that host memory)
+[[ $PARTS == *" large "* ]] && part "${T_LARGE:-120}" large python3 benchmarks/gpu.py large ${LARGE_ARGS:-} \
+    --results-dir "$OUT"
 # Not in the default parts (the defaults fill one 10-minute call): PARTS=pareto in a call of its own
-[[ $PARTS == *" pareto "* ]] && part "${T_PARETO:-300}" pareto python3 benchmarks/pareto.py --rounds 3 \
+[[ $PARTS == *" pareto "* ]] && part "${T_PARETO:-300}" pareto python3 benchmarks/pareto.py --rounds 3 ${PARETO_ARGS:-} \
     --results-dir "$OUT/pareto"
 python3 benchmarks/gpu.py render --results-dir "$OUT" >/dev/null
 if [[ $PARTS == *" tests "* ]]; then
-    part "${T_TESTS:-170}" "pytest -m gpu" python3 -m pytest -m gpu -n 0 -p no:cacheprovider -q -rA tests/ \
-        > "$OUT/pytest-gpu.log" 2>&1
+    each=(); python3 -c "import pytest_timeout" 2>/dev/null && each=(--timeout "${T_EACH_TEST:-90}")  # one hang fails one test
+    part "${T_TESTS:-170}" "pytest -m gpu" python3 -m pytest -m gpu -n 0 -p no:cacheprovider -v -rA --durations 0 \
+        "${each[@]}" tests/ > "$OUT/pytest-gpu.log" 2>&1
     tail -40 "$OUT/pytest-gpu.log"
 fi
 cat "$OUT/README.md"

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import gc
 import io
 import platform
 
@@ -184,21 +185,27 @@ def test_predicted_largest_batch_against_probing_on_the_gpu(policy):
     """A memory limit below the GPU's (set_per_process_memory_fraction); the largest batch whose
     training steps fit, two in a row (forward, backward, optimizer step: the second beside AdamW's
     moments; one step alone fitted 1.3-1.5x more on an H100), found by bisection, against the
-    plan's prediction for that limit."""
+    plan's prediction for that limit.
+
+    offload keeps little on the device, so its prediction is bound by the host memory its pinned
+    activations take: the plan is made for 8 GiB of host memory (half of it for them), and the
+    probe stops a quarter past the prediction, which must fit (the device bound lies far beyond;
+    probing for it would pin most of the host's memory)."""
     from hpcbert.batching import largest_that_fits
 
     dev = torch.device("cuda", torch.cuda.current_device())  # set_per_process_memory_fraction needs the index
     cfg = RunConfig(task="synthetic", model="bert-base", max_seq_length=512, precision="bf16")
     limit = 8 * 2**30
     torch.cuda.set_per_process_memory_fraction(limit / torch.cuda.get_device_properties(dev).total_memory, dev)
-    predicted = plan.make_plan(cfg, limit, dev, (policy,)).get(policy).largest_batch
+    host = 8 * 2**30 if policy == "offload" else None
+    predicted = plan.make_plan(cfg, limit, dev, (policy,), host_bytes=host).get(policy).largest_batch
     obj = objectives.get(cfg)
+    model = obj.build_model(plan._model_config(cfg)).to(dev).train()  # one model for every probe
+    policies.apply_grad_ckpt(model, policy)
 
     def fits(b: int) -> bool:
-        model = opt = None
+        opt = batch = None
         try:
-            model = obj.build_model(plan._model_config(cfg)).to(dev).train()
-            policies.apply_grad_ckpt(model, policy)
             opt = make_optimizer(cfg, model, 1e-4, dev)
             batch, norm = obj.example_batch(b, cfg.max_seq_length, model.config.vocab_size)
             batch = batch.to(dev)
@@ -214,11 +221,17 @@ def test_predicted_largest_batch_against_probing_on_the_gpu(policy):
         except torch.cuda.OutOfMemoryError:
             return False
         finally:
-            del model, opt
+            model.zero_grad(set_to_none=True)
+            del opt, batch
+            gc.collect()
             torch.cuda.empty_cache()
 
-    probed = largest_that_fits(fits, 4 * max(1, predicted))
-    torch.cuda.set_per_process_memory_fraction(1.0, dev)
+    try:
+        probed = largest_that_fits(fits, int(1.25 * predicted) + 1 if host else 4 * max(1, predicted))
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0, dev)
+        model = None
+        torch.cuda.empty_cache()
     print(f"{policy}: predicted {predicted}, probed {probed}")
     assert predicted <= probed <= 1.25 * predicted + 1
 

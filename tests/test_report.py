@@ -626,3 +626,25 @@ def test_pareto_bound_is_one_more_forward_of_the_wrapped_modules():
     got = timer.read()
     assert sorted(got) == ["embeddings", "layer.0", "layer.1", "layer.2"]
     assert all(v > 0 for v in got.values()) and sum(got.values()) < wall
+
+
+def test_gpu_profile_groups_operators_and_its_child_profiles_the_loop(tmp_path, monkeypatch):
+    """gpu.py profile: operators' own times grouped by name (hand-summed on made-up operators), and
+    its child (hpcbert train with Trainer.step wrapped) run on the CPU: the profiled steps' operators
+    include the matmuls and the fused AdamW, and their own times fit inside the steps' wall time."""
+    gpu = _benchmark_script("gpu")
+    ops = [{"name": "aten::addmm", "self_device_us": 3000.0}, {"name": "aten::mm", "self_device_us": 1000.0},
+           {"name": "aten::_flash_attention_forward", "self_device_us": 500.0},
+           {"name": "aten::_fused_adamw_", "self_device_us": 200.0}, {"name": "aten::_foreach_norm", "self_device_us": 100.0},
+           {"name": "aten::native_layer_norm", "self_device_us": 400.0}, {"name": "aten::add", "self_device_us": 800.0}]
+    assert gpu.profile_groups(ops, 2) == pytest.approx(
+        {"attention": 0.25, "matmul": 2.0, "optimizer and clipping": 0.15, "other": 0.6})
+
+    monkeypatch.setenv("HPCBERT_GPU_BENCH_ON_CPU", "1")
+    assert gpu.main(["profile", "--model", "bert-tiny", "--batch", "4", "--after", "2", "--steps", "2",
+                     "--threads", "1", "--results-dir", str(tmp_path / "r"), "--work-dir", str(tmp_path / "w")]) == 0
+    rec = json.loads((tmp_path / "r" / "profile.json").read_text())["runs"][0]
+    names = {o["name"] for o in json.loads((tmp_path / "w" / "profile" / "ops-compile-off.json").read_text())["ops"]}
+    assert {"aten::addmm", "aten::_fused_adamw_"} <= names
+    assert rec["time_of"] == "self_cpu_us" and 0 < rec["device_busy_ms"] <= rec["step_ms"]
+    assert rec["groups_ms"]["matmul"] > 0 and rec["groups_ms"]["optimizer and clipping"] > 0
