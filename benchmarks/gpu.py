@@ -456,10 +456,18 @@ def render(results: Path = RESULTS) -> str:
                 f"for the same cap. seq/s: median of {s['timed_steps']} whole steps at the probed batch (10% smaller where it ran out of memory after "
                 "the probe), full-length "
                 "sequences."]
+        hosts = {r["policy"]: (r.get("source") or s).get("host_memory_bytes") for r in doc["policies"]}
+        if hosts.get("offload"):
+            out += ["", f"offload: planned for {hosts['offload'] / 2**30:.0f} GiB of host memory (`--host-memory`; "
+                    "half of it for the activations it pins there), its probe stopping a fifth past the plan: it "
+                    "keeps little on the device, so its bound is the host's memory."]
         missing = [p for p in POLICIES if p not in {r["policy"] for r in doc["policies"]}]
         if missing:
             out += ["", f"No record in `large.json` for: {', '.join(missing)}."]
-        out += ["", f"- {_where(doc)}", ""]
+        own = [r for r in doc["policies"] if r.get("source")]  # a policy measured by a command of its own
+        out += ["", f"- {_where(doc)}" + (f" ({', '.join(r['policy'] for r in doc['policies'] if not r.get('source'))})"
+                                          if own else "")]
+        out += [f"- {_where(r['source'])} ({r['policy']})" for r in own] + [""]
     logs = sorted(results.glob("pytest-*.log"))
     if logs:
         out += ["## GPU tests", "", "`pytest -m gpu` on the GPU; `pytest-N-WHAT-COMMIT.log` is the N-th run, of commit COMMIT.", ""]
@@ -467,7 +475,8 @@ def render(results: Path = RESULTS) -> str:
             lines = [ln.strip("= \n") for ln in log.read_text().splitlines() if ln.strip()]
             counts = next((ln for ln in reversed(lines) if re.search(r"\d+ (passed|failed)", ln)),
                           f"no summary line; it ends: {lines[-1] if lines else '(empty)'}")
-            failed = [ln.split()[1] for ln in lines if ln.startswith("FAILED ")]
+            failed = list(dict.fromkeys([ln.split()[1] for ln in lines if ln.startswith("FAILED ")]  # the summary's
+                                        + [m.group(1) for ln in lines if (m := re.match(r"(\S+::\S+) FAILED", ln))]))  # -v's
             out += [f"- `{log.name}`: {counts}" + (f"; failed: {', '.join(f'`{f}`' for f in failed)}" if failed else "")]
         out += [""]
     if len(out) == 4:

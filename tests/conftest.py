@@ -100,3 +100,11 @@ def pytest_runtest_protocol(item, nextitem):
             fcntl.flock(gate, fcntl.LOCK_UN)
         yield  # setup (module fixtures included), call, teardown
     # closing the files released the locks
+
+
+def pytest_runtest_logreport(report):
+    """HPCBERT_FAILURES_AT_ONCE=1 (gpu_session.sh): a failure's traceback as soon as it happens, not only
+    in the summary, which a session cut at its time limit never prints."""
+    if report.failed and os.environ.get("HPCBERT_FAILURES_AT_ONCE"):
+        sys.stderr.write(f"\n--- {report.nodeid} failed in {report.when}:\n{report.longreprtext}\n")
+        sys.stderr.flush()
