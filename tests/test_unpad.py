@@ -409,6 +409,40 @@ def test_cuda_kernels_match_the_cpu_model(dtype, monkeypatch):
         assert not worst, f"{policy}: gradients beyond twice bf16 SDPA's distance from fp32: {worst}"
 
 
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_cuda_policies_same_gradients_as_none_with_dropout(dtype):
+    """On a GPU with dropout on (flash varlen's in-kernel dropout in bf16, SDPA's in fp32, F.dropout):
+    each policy's recomputation replays the masks of none's forward, so its loss and gradients are
+    none's, up to the kernels' summation order. With another seed (other masks) they are far from
+    none's: the tolerance tells masks apart."""
+    ids, mask, types, labels = (t.cuda() for t in padded_batch())
+
+    def run(policy: str, seed: int = 123):
+        torch.manual_seed(0)
+        m = BertForSequenceClassification(BertConfig(**TINY)).cuda()
+        policies.apply_grad_ckpt(m, policy)
+        torch.manual_seed(seed)
+        with torch.autocast("cuda", dtype=dtype, enabled=dtype != torch.float32):
+            loss = m.train().loss_sum(m(ids, mask, types), labels)
+        loss.backward()
+        return float(loss), {k: v.float().cpu() for k, v in our_grads(m).items()}
+
+    ref_loss, ref = run("none")
+    floor = 1e-3 * torch.cat([g.flatten() for g in ref.values()]).norm()  # the key bias: rounding noise
+
+    def worst(grads) -> float:
+        return max(float((g - ref[k]).norm() / torch.maximum(ref[k].norm(), floor)) for k, g in grads.items())
+
+    tol = 1e-2 if dtype == torch.bfloat16 else 1e-4
+    assert worst(run("none", seed=124)[1]) > 10 * tol  # other masks
+    for policy in ("alternate", "all", "selective", "offload"):
+        loss, grads = run(policy)
+        assert loss == pytest.approx(ref_loss, rel=tol), policy
+        assert worst(grads) <= tol, f"{policy}: a gradient {worst(grads):.2e} from none's"
+
 def test_tokens_from_host_lengths_are_the_tokens_of_the_mask():
     """Batch.to builds the layout from collate's host lengths (no device read in the step): the
     same index, lengths, sequence offsets and attention groups as reading the mask."""
