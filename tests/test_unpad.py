@@ -304,8 +304,9 @@ def test_new_policies_same_loss_and_gradients_as_none_with_dropout(policy):
 
 
 def test_selective_draws_no_mask_and_reruns_no_attention_in_backward():
-    """On CPU selective keeps the attention's results and every dropout mask: its recomputation runs
-    neither operator again (`all`, which keeps nothing of a layer, runs both: the count is live)."""
+    """On CPU selective keeps the attention's results and every dropout mask: its backward runs
+    neither operator again (`all`, which keeps nothing of a layer, runs both: the count is live),
+    nor any matmul beyond none's backward; it runs each GELU and the LayerNorms before a matmul."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class Count(TorchDispatchMode):
@@ -317,8 +318,8 @@ def test_selective_draws_no_mask_and_reruns_no_attention_in_backward():
             self.ops[str(func)] = self.ops.get(str(func), 0) + 1
             return func(*args, **(kwargs or {}))
 
-    ran = {}
-    for policy in ("selective", "all"):
+    ran, matmuls, norms = {}, {}, {}
+    for policy in ("none", "selective", "all"):
         torch.manual_seed(0)
         m = BertForSequenceClassification(BertConfig(**TINY)).train()
         policies.wrap_layers(m, policy)
@@ -327,9 +328,17 @@ def test_selective_draws_no_mask_and_reruns_no_attention_in_backward():
         with Count() as c:
             loss.backward()
         ran[policy] = (c.ops.get("hpcbert.cpu_attention.default", 0), c.ops.get("hpcbert.keep_mask.default", 0))
-        assert c.ops.get("aten.gelu.default", 0) == TINY["num_hidden_layers"]  # element-wise work is redone
+        matmuls[policy] = sum(c.ops.get(f"aten.{op}.default", 0) for op in ("mm", "addmm", "bmm"))
+        norms[policy] = c.ops.get("aten.native_layer_norm.default", 0)
+        gelus = c.ops.get("aten.gelu.default", 0)
+        assert gelus == (0 if policy == "none" else TINY["num_hidden_layers"])  # element-wise work is redone
     layers = TINY["num_hidden_layers"]
-    assert ran["selective"] == (0, 0)
+    assert ran["none"] == ran["selective"] == (0, 0)
+    # selective redoes no matmul; it redoes the LayerNorms whose outputs a matmul inside a layer
+    # keeps: each layer's first one (the feed-forward's input) and the second one of every layer
+    # but the last (the next layer's Q/K/V input); the embeddings' output passes a dropout first
+    assert matmuls["selective"] == matmuls["none"] < matmuls["all"]
+    assert (norms["none"], norms["selective"]) == (0, layers + (layers - 1))
     # all: each layer's attention again, and its two hidden dropout masks plus the embeddings' one
     assert ran["all"] == (layers, 2 * layers + 1)
 

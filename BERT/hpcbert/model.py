@@ -196,8 +196,8 @@ def keep_mask(shape: tuple[int, ...], p: float, device: torch.device) -> tuple[t
     SFC64 30 ms (F.dropout's bernoulli_ is slower than either). Neither splitting the draws over a
     second thread nor drawing them in cache-sized blocks gained anything inside a step.
 
-    Drawn by one operator, `hpcbert::keep_mask`, which selective checkpointing can keep whole (see
-    policies.py); in FakeTensorMode (`hpcbert plan`) it gives a mask of the shape only."""
+    Drawn by one operator, `hpcbert::keep_mask`; in FakeTensorMode (`hpcbert plan`) it gives a mask
+    of the shape only."""
     if device.type != "cpu":
         raise ValueError(f"keep_mask: CPU only (got {device.type}); other devices use F.dropout")
     drops = round(p * 65536)  # of the 65536 values of an int16, this many drop
@@ -270,7 +270,8 @@ class _CpuAttention(torch.autograd.Function):
     save it with P and the dropped P.
 
     The forward is one operator, `hpcbert::cpu_attention`, whose outputs are everything backward
-    reads besides Q/K/V: selective checkpointing keeps them and never runs the forward again.
+    reads besides Q/K/V: every checkpointing policy that keeps them (none, selective) never runs
+    the forward again.
 
     Per group (nb sequences of length L): S = (Q / sqrt(D)) K^T; P = softmax(S); A = P * K01 (the
     0/1 keep mask); O = s (A V) (s = 1 / P(keep)). Backward: dV = s A^T dO; dP = (s dO V^T) * K01;
@@ -375,10 +376,6 @@ def _(qkv, groups, n_head, p, packed):
         return [out, *Ps]
     m = sum(sizes)
     return [out, *Ps, qkv.new_empty((m + 7) // 8 if packed else m, dtype=torch.uint8)]
-
-
-# The operators this file defines (both CPU): the attention forward and the dropout mask's draw.
-CPU_OPERATORS = (torch.ops.hpcbert.cpu_attention.default, torch.ops.hpcbert.keep_mask.default)
 
 
 def _heads(rows: torch.Tensor, nb: int, L: int, N: int, D: int) -> tuple[torch.Tensor, ...]:

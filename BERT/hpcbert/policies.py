@@ -8,12 +8,14 @@ backward is the policy:
     alternate, all, every:K  its input only; the whole layer is recomputed in backward (`all`
                              wraps the embeddings too: they keep their ids, not the fp32 sum,
                              LayerNorm input and dropout mask of every token)
-    selective                (every layer) the outputs of its matmuls (Q/K/V, output projection,
-                             feed-forward) and on CPU the attention's output, probabilities and
-                             dropout mask (as bits) and the other dropout masks; the rest (GELU,
-                             LayerNorm, residual sums, applying the masks; on CUDA the attention and
-                             the masks' draws too) is recomputed: PyTorch's selective activation
-                             checkpointing
+    selective                (every layer) what none keeps, less what is cheap to redo from what
+                             it keeps anyway: a GELU's output (from its input, the feed-forward's
+                             matmul output, which the GELU's backward keeps) and a LayerNorm's
+                             output or its bf16/fp16 copy for the next matmul (from the LayerNorm's
+                             input, weight and bias, which its backward keeps); on CPU the
+                             attention's dropout mask is kept as bits. Backward recomputes those
+                             tensors when it reaches them, by autograd's saved-tensor hooks: no
+                             matmul, attention or random draw runs again
     offload                  (every layer, CUDA) everything, in pinned host memory: copied out during
                              forward, back for backward (torch.autograd.graph.save_on_cpu)
 """
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import weakref
 
 import torch
 from torch import nn
@@ -29,10 +32,9 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
     CheckpointWrapper,
     checkpoint_wrapper,
 )
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import checkpoint
 
 from .config import parse_grad_ckpt
-from .model import CPU_OPERATORS
 
 POLICIES = ("none", "alternate", "all", "selective", "offload")  # the named ones; every:K besides
 
@@ -58,30 +60,83 @@ def _checkpoint_in_training(module: nn.Module, *args, **kwargs):
     return module(*args, **kwargs)
 
 
-# Selective: what a layer keeps. Matmuls are worth keeping (their recomputation is most of a
-# forward); the element-wise work between them is cheap to redo. On CPU two operators are kept
-# whole as well: the attention (`hpcbert::cpu_attention`: its output, the probabilities and the
-# dropout mask) and the dropout masks (`hpcbert::keep_mask`). Redoing them is what made
-# selective cost 1.15-1.27x none's step there: for one minilm-l6 layer at batch 32, length 128
-# (bf16, 2-core EPYC) the attention mask's draw took 3.0 ms, softmax 2.2, applying the mask 0.8
-# and the two hidden masks' draws 1.5, against 0.7 for GELU and 0.5 for both LayerNorms. The
-# attention mask is kept as bits (wrap_layers sets pack_dropout_mask): as bytes selective would
-# keep ~0.78x none's bytes at length 128 and ~0.88x at 512. Random draws are kept all or none:
-# the recomputation replays the generator from the layer's start, so keeping one draw and
-# redrawing a later one would shift it. On CPU every draw is in those two operators (kept); on
-# CUDA dropout and flash attention draw and are both recomputed.
-_KEEP = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default, *CPU_OPERATORS}
+# Selective: what a layer does not keep. PyTorch's selective activation checkpointing (SAC: a
+# dispatch mode around every operator of the layer, each one's output kept or recomputed by a
+# policy; this project's selective until it was measured) kept the matmuls' outputs, the attention
+# and the dropout masks, 0.70-0.72x none's bytes, but cost 1.09-1.16x none's step on a bf16 CPU:
+# 7-10% of that was the mechanism (a policy keeping every operator's output cost 1.07-1.10x), ~2%
+# the recomputation. The same choice made on the tensors autograd saves costs one Python call per
+# saved tensor instead of one per operator: 1.03-1.05x at 0.70-0.71x the bytes (benchmarks/pareto.py).
+# Only deterministic work is redone, from tensors the graph keeps in any case, so the recomputed
+# values are the forward's bit for bit and nothing random is drawn again (no RNG replay).
+class _Recompute:
+    """A saved tensor's recipe: fn(*args) under no_grad and without autocast gives it again."""
+
+    __slots__ = ("fn", "args")
+
+    def __init__(self, fn, args):
+        self.fn, self.args = fn, args
 
 
-def _selective_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
-    return CheckpointPolicy.MUST_SAVE if op in _KEEP else CheckpointPolicy.PREFER_RECOMPUTE
+def _gelu(x, approximate):
+    return torch.nn.functional.gelu(x, approximate=approximate)
 
 
-def _selective_in_training(module: nn.Module, *args, **kwargs):
+def _layer_norm(x, shape, weight, bias, eps, dtype):
+    return torch.nn.functional.layer_norm(x, shape, weight, bias, eps).to(dtype)
+
+
+class _SelectiveHooks:
+    """pack/unpack for `torch.autograd.graph.saved_tensors_hooks` around each layer of `model`.
+
+    pack sees each tensor autograd saves. A GELU's output (its node keeps the GELU's input) and a
+    LayerNorm's output, or a cast of it (its node keeps the LayerNorm's input, weight and bias), are
+    replaced by a recipe; every other tensor is kept as it is. eps is not kept by autograd: it comes
+    from the model's LayerNorm module of that weight (by storage, refreshed if the model moved)."""
+
+    def __init__(self, model: nn.Module):
+        self.model = weakref.ref(model)  # the model holds these hooks (through its wrapped layers)
+        self.eps: dict[int, float] = {}
+
+    def _eps_of(self, weight: torch.Tensor) -> float | None:
+        key = weight.untyped_storage()._cdata
+        if key not in self.eps:
+            self.eps = {m.weight.untyped_storage()._cdata: m.eps for m in self.model().modules()
+                        if isinstance(m, nn.LayerNorm) and m.weight is not None}
+        return self.eps.get(key)
+
+    def _layer_norm_recipe(self, node, dtype: torch.dtype):
+        weight = node._saved_weight
+        eps = None if weight is None else self._eps_of(weight)
+        if eps is None:
+            return None
+        return _Recompute(_layer_norm, (node._saved_input, tuple(node._saved_normalized_shape), weight,
+                                        node._saved_bias, eps, dtype))
+
+    def pack(self, t: torch.Tensor):
+        node = t.grad_fn
+        kind = type(node).__name__ if node is not None else None
+        recipe = None
+        if kind == "GeluBackward0":
+            recipe = _Recompute(_gelu, (node._saved_self, node._saved_approximate))
+        elif kind == "NativeLayerNormBackward0":
+            recipe = self._layer_norm_recipe(node, t.dtype)
+        elif kind == "ToCopyBackward0" and type(node.next_functions[0][0]).__name__ == "NativeLayerNormBackward0":
+            recipe = self._layer_norm_recipe(node.next_functions[0][0], t.dtype)
+        return t if recipe is None else recipe
+
+    @staticmethod
+    def unpack(packed):
+        if isinstance(packed, _Recompute):
+            with torch.no_grad(), torch.autocast(packed.args[0].device.type, enabled=False):
+                return packed.fn(*packed.args)
+        return packed
+
+
+def _selective_in_training(module: nn.Module, *args, hooks: _SelectiveHooks, **kwargs):
     if module.training and torch.is_grad_enabled():
-        return checkpoint(module, *args, use_reentrant=False, preserve_rng_state=True,
-                          context_fn=functools.partial(create_selective_checkpoint_contexts, _selective_policy),
-                          **kwargs)
+        with torch.autograd.graph.saved_tensors_hooks(hooks.pack, hooks.unpack):
+            return module(*args, **kwargs)
     return module(*args, **kwargs)
 
 
@@ -103,7 +158,8 @@ def wrap_layers(model: nn.Module, policy: str) -> list[int]:
     if any(isinstance(l, CheckpointWrapper) for l in layers) or isinstance(model.bert.embeddings, CheckpointWrapper):
         raise RuntimeError("gradient checkpointing is already applied to this model")
     policy = parse_grad_ckpt(policy)
-    fn = {"selective": _selective_in_training, "offload": _offload_in_training}.get(policy, _checkpoint_in_training)
+    fn = {"selective": functools.partial(_selective_in_training, hooks=_SelectiveHooks(model)),
+          "offload": _offload_in_training}.get(policy, _checkpoint_in_training)
     chosen = ckpt_layer_indices(policy, len(layers))
     for i in chosen:
         layers[i].attention.self.pack_dropout_mask = policy == "selective"
