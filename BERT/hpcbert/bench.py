@@ -48,8 +48,8 @@ DEFAULT_ROUNDS = 1
 DEFAULT_INTERLEAVED = "90s"
 # Batches the interleaved measurement cycles over: those of steps 3 to 10 (batches 2..9 of the
 # first epoch; steps 1 and 2 warm up), of many lengths, so no one batch's shape decides the ratio
-# (a policy's cost depends on the length: PyTorch's selective checkpointing costs a fixed time per
-# op, a larger share of a short batch's step). benchmarks/compare_hf.py policies cross-checks the
+# (a policy's cost depends on the length: a checkpointing mechanism's fixed time per layer or per
+# saved tensor is a larger share of a short batch's step). benchmarks/compare_hf.py policies cross-checks the
 # ratios in processes of their own (same seed, sampler and synthetic task; a set of 10 batches
 # passed over 3 times, the last pass compared: a fresh process's first steps grow its heap, which
 # costs none the most and put its ratios ~5% low).
