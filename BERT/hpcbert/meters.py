@@ -85,8 +85,8 @@ def activation_bytes_per_sequence(model: nn.Module, loss_of: Callable[[int], tor
     device during that call and that is still alive when it returns (each storage once), for a
     batch of 2 and a batch of 1, and returns the difference, which cancels batch-independent
     tensors (autocast's weight copies, RNG states). That is what autograd's saved-tensor hooks see
-    (tensors saved for backward, the inputs a checkpoint keeps) plus what selective checkpointing
-    caches outside autograd; tensors `offload` moved to host memory do not count on a GPU.
+    (tensors saved for backward, the inputs a checkpoint keeps, what a saved-tensor hook's recipe
+    holds); tensors `offload` moved to host memory do not count on a GPU.
     Gradient checkpointing shows up here directly: a checkpointed layer keeps only its input.
     The model must be in training mode (dropout masks count). RNG state is restored.
     """
