@@ -65,8 +65,8 @@ def _checkpoint_in_training(module: nn.Module, *args, **kwargs):
 # policy; this project's selective until it was measured) kept the matmuls' outputs, the attention
 # and the dropout masks, 0.70-0.72x none's bytes, but cost 1.09-1.16x none's step on a bf16 CPU:
 # 7-10% of that was the mechanism (a policy keeping every operator's output cost 1.07-1.10x), ~2%
-# the recomputation. The same choice made on the tensors autograd saves costs one Python call per
-# saved tensor instead of one per operator: 1.03-1.05x at 0.70-0.71x the bytes (benchmarks/pareto.py).
+# the recomputation. Choosing among the tensors autograd saves costs one Python call per saved
+# tensor instead of one per operator: 0.98-1.04x at 0.69-0.71x the bytes (results/pareto/).
 # Only deterministic work is redone, from tensors the graph keeps in any case, so the recomputed
 # values are the forward's bit for bit and nothing random is drawn again (no RNG replay).
 class _Recompute:
