@@ -200,7 +200,8 @@ def profiled(self, *a, **k):
         ops = [{"name": e.key, "calls": e.count, "self_device_us": getattr(e, "self_device_time_total", 0.0),
                 "self_cpu_us": e.self_cpu_time_total} for e in held["prof"].key_averages()
                if e.device_type == DeviceType.CPU]
-        json.dump({"steps": n, "first_step": first + 1, "wall_s": wall, "ops": ops}, open(out, "w"))
+        with open(out, "w") as f:
+            json.dump({"steps": n, "first_step": first + 1, "wall_s": wall, "ops": ops}, f)
     return r
 T.Trainer.step = profiled
 sys.exit(cli.main(sys.argv[4:]))
