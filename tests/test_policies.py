@@ -84,7 +84,9 @@ def test_state_dict_keys_unchanged_by_wrapping():
 def test_all_keeps_only_each_layers_input():
     """Under `all` the encoder keeps, per sequence, each layer's fp32 input (T x H x 4 bytes) and
     nothing else: the embeddings are recomputed too (before they were wrapped they also kept their
-    LayerNorm input, its statistics and a dropout mask per token)."""
+    LayerNorm input, its statistics and a dropout mask per token). Every layer but the last keeps
+    its output for its final LayerNorm's backward, which is the next layer's input (no bytes), and
+    1/std of each token (fp32)."""
     L, T, H = 6, 32, CFG["hidden_size"]
     m = make("all", layers=L)
     m.bert.pooler = None  # the encoder alone (the pooler keeps its own input and output)
@@ -96,7 +98,67 @@ def test_all_keeps_only_each_layers_input():
 
     # + what the recomputation reads again: the ids and token types (int64 per token, the embeddings'
     # inputs) and the batch's cu_seqlens (int32, one entry per sequence).
-    assert activation_bytes_per_sequence(m, loss_of, torch.device("cpu")) == L * T * H * 4 + 2 * T * 8 + 4
+    expected = L * T * H * 4 + 2 * T * 8 + 4 + (L - 1) * T * 4
+    assert activation_bytes_per_sequence(m, loss_of, torch.device("cpu")) == expected
+
+
+def forward_matmuls_in_backward(m, precision: str = "fp32") -> int:
+    """Linear layers with a bias run as addmm in forward; backward's own matmuls are mm. So the
+    addmm calls during backward are the recomputation's."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.n += func is torch.ops.aten.addmm.default
+            return func(*args, **(kwargs or {}))
+
+    ids, mask, types, labels = batch()
+    with policies.autocast(precision, torch.device("cpu")):
+        loss = m.loss_sum(m(ids, mask, types), labels)
+    with Count():
+        loss.backward()
+    return Count.n
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_all_stops_each_recomputation_before_the_last_matmul(precision):
+    """A layer has four Linear layers (Q/K/V, attention output, feed-forward in and out). Under
+    `all` the recomputation of a layer whose output the next layer keeps stops before its
+    feed-forward's second matmul: 3 per layer, and 4 in the last (which the classifier reads)."""
+    L = 4
+    assert forward_matmuls_in_backward(make("none", layers=L), precision) == 0
+    assert forward_matmuls_in_backward(make("all", layers=L), precision) == 3 * (L - 1) + 4
+    # alternate's wrapped layers (0 and 2) feed plain layers: the whole layer is recomputed
+    assert forward_matmuls_in_backward(make("alternate", layers=L), precision) == 2 * 4
+
+
+def trained_layer_norms(m) -> None:
+    """LayerNorm weights and biases as far from 1 and 0 as a trained BERT's (some negative, some
+    near 0, biases of either sign), the same for every policy."""
+    g = torch.Generator().manual_seed(11)
+    with torch.no_grad():
+        for mod in m.modules():
+            if isinstance(mod, torch.nn.LayerNorm):
+                w = torch.randn(mod.weight.shape, generator=g) * 0.6 + 0.8
+                w[::7] = 0.02
+                w[3::11] *= -1
+                mod.weight.copy_(w)
+                mod.bias.copy_(torch.randn(mod.bias.shape, generator=g) * 0.5)
+
+
+def test_all_same_gradients_as_none_with_trained_layer_norms():
+    """The LayerNorm backward that reads the output divides by the weight: exact where the weight
+    is 1 (a fresh model), rounded elsewhere. Within 1e-5 of none's in fp32 with dropout on."""
+    models = {p: make(p, layers=3) for p in ("none", "all")}
+    for m in models.values():
+        trained_layer_norms(m)
+    (ref_loss, ref), (loss, grads) = (loss_and_grads(models[p]) for p in ("none", "all"))
+    assert torch.allclose(loss, ref_loss, rtol=1e-6, atol=0)
+    for name, g in grads.items():
+        rel = (g - ref[name]).norm() / ref[name].norm().clamp_min(1e-30)
+        assert rel <= 1e-5, f"gradient of {name} differs by {rel:.2e} relative"
 
 
 def test_inactive_in_evaluation_and_no_grad(monkeypatch):

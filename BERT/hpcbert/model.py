@@ -481,15 +481,72 @@ class BertSelfAttention(nn.Module):
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
 
+class _NormKeepingOutput(torch.autograd.Function):
+    """LayerNorm(dropout(z) + residual), CPU, whose backward keeps the LayerNorm's output y and
+    1/std per token instead of its input and the dropout mask: the normalised input is
+    (y - bias) / weight, and the mask is drawn again from the generator state it was first drawn
+    from. This is apex's and Megatron-LM's "memory-efficient" LayerNorm backward, weights clamped
+    away from 0 by eps as there (a weight of exactly 0 then gets no gradient).
+
+    A policy turns it on (BertSelfOutput.keep_output_only) in a checkpointed layer whose output is
+    the next checkpointed layer's input, which that checkpoint keeps anyway: nothing is added.
+    What it saves: y and 1/std are held on ctx, out of the sight of autograd's saved-tensor hooks,
+    so the last tensors the layer hands to the checkpoint's hooks are the inputs of its feed-forward's
+    second matmul, and the recomputation stops there, before that matmul runs (torch.utils.checkpoint
+    stops early once every saved tensor is back): a third of the layer's matmul work, a dropout, the
+    residual sum and a LayerNorm are not redone."""
+
+    @staticmethod
+    def forward(ctx, z, residual, weight, bias, eps, p):
+        ctx.rng = torch.get_rng_state() if p else None  # before keep_mask draws its seed
+        if p:
+            keep, scale = keep_mask(tuple(z.shape), p, z.device)
+            z = z * keep.to(z.dtype).mul_(scale)  # as _Dropout
+        y, _, rstd = torch.native_layer_norm(z + residual, weight.shape, weight, bias, eps)
+        ctx.y, ctx.version = y.detach(), y._version  # detached: no reference cycle through y's grad_fn
+        ctx.rstd, ctx.weight, ctx.bias = rstd, weight.detach(), bias.detach()
+        ctx.p, ctx.eps, ctx.z_dtype, ctx.z_shape = p, eps, z.dtype, z.shape
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        y, rstd, w = ctx.y, ctx.rstd, ctx.weight
+        if y._version != ctx.version:
+            raise RuntimeError("hpcbert: a layer's output was modified in place after the forward; its "
+                               "LayerNorm backward (gradient checkpointing: all) reads it")
+        xhat = (y - ctx.bias) / torch.where(w >= 0, w.clamp_min(ctx.eps), w.clamp_max(-ctx.eps))
+        # The kernel with mean 0 and 1/std 1 reads xhat as the normalised input; its input gradient
+        # is then the true one over 1/std.
+        dx, dw, db = torch.ops.aten.native_layer_norm_backward(
+            dy, xhat, list(w.shape), torch.zeros_like(rstd), torch.ones_like(rstd), w, ctx.bias,
+            [True, True, True])
+        dx = dx.mul_(rstd)
+        dz = dx.to(ctx.z_dtype)
+        if ctx.p:
+            with torch.random.fork_rng(devices=[]):
+                torch.set_rng_state(ctx.rng)
+                keep, scale = keep_mask(tuple(ctx.z_shape), ctx.p, dz.device)
+            dz = dz * keep.to(dz.dtype).mul_(scale)
+        return dz, dx, dw, db, None, None
+
+
 class BertSelfOutput(nn.Module):
     def __init__(self, c: BertConfig, inner: int):
         super().__init__()
         self.dense = nn.Linear(inner, c.hidden_size)
         self.LayerNorm = nn.LayerNorm(c.hidden_size, eps=c.layer_norm_eps)
         self.p = c.hidden_dropout_prob
+        # Backward keeps the output, not the LayerNorm's input and the mask (_NormKeepingOutput, CPU,
+        # training); a checkpointing policy sets it (policies.py: all)
+        self.keep_output_only = False
 
     def forward(self, h: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        return self.LayerNorm(dropout(self.dense(h), self.p, self.training) + residual)
+        z = self.dense(h)
+        if (self.keep_output_only and self.training and torch.is_grad_enabled() and z.device.type == "cpu"
+                and not torch.compiler.is_compiling()):
+            ln = self.LayerNorm
+            return _NormKeepingOutput.apply(z, residual, ln.weight, ln.bias, ln.eps, self.p)
+        return self.LayerNorm(dropout(z, self.p, self.training) + residual)
 
 
 class BertAttention(nn.Module):

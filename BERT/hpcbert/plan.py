@@ -19,7 +19,9 @@ fastest policy and batch, predicted before a run starts.
     time(policy, b) = b x t_seq x cost(policy) + t_opt, throughput = b / time
       t_seq   training FLOPs of one sequence (model.flops_per_sequence) / (peak FLOP/s x 0.5)
       cost    1 + forward FLOPs recomputed / training FLOPs: a layer recomputed whole reruns its
-              forward, 1/3 of its training FLOPs; selective recomputes no matmul (cost 1)
+              forward, 1/3 of its training FLOPs, less on CPU its feed-forward's second matmul
+              where the next layer is checkpointed too (all: model._NormKeepingOutput);
+              selective recomputes no matmul (cost 1)
       offload per sequence max(compute, the saved bytes out to the host and back over its link)
       t_opt   the optimizer's memory traffic (read and write parameters, gradients and both
               moments: 32 bytes per parameter) / the device's memory bandwidth
@@ -216,8 +218,7 @@ def make_plan(cfg: RunConfig, memory_bytes: int | None = None, device=None,
         if p == "offload":
             largest, note = offload_largest(largest, none_act - act, host_bytes if host_bytes is not None
                                             else device_free_memory(torch.device("cpu")))
-        recomputed = 0 if p in ("none", "selective", "offload") else len(policies.ckpt_layer_indices(p, L))
-        seq_time = t_seq * (1.0 + recomputed / (3 * L))
+        seq_time = t_seq * (1.0 + recomputed_layers(p, mcfg, cfg.max_seq_length, device) / (3 * L))
         if p == "offload" and link:
             seq_time = max(seq_time, 2 * (none_act - act) / link)
         plans.append(PolicyPlan(p, act, workspace, largest, seq_time / t_seq,
@@ -225,6 +226,21 @@ def make_plan(cfg: RunConfig, memory_bytes: int | None = None, device=None,
     best, batch = choose(plans, t_seq, t_opt)
     return Plan(cfg.model, cfg.max_seq_length, precision, cfg.optimizer, _device_name(device), int(memory_bytes),
                 state, plans, best, batch, t_seq, t_opt)
+
+
+def recomputed_layers(policy: str, mcfg, length: int, device) -> float:
+    """Layers' forwards a policy reruns in backward, in matmul FLOPs: 1 per wrapped layer, less the
+    share of its feed-forward's second matmul (2hI of the layer's 8h^2 + 4hI + 4sh per token)
+    where its recomputation stops before it (CPU, the next layer wrapped: policies.wrap_layers)."""
+    from . import policies
+
+    if policy in ("none", "selective", "offload"):
+        return 0.0
+    chosen = policies.ckpt_layer_indices(policy, mcfg.num_hidden_layers)
+    h, i = mcfg.hidden_size, mcfg.intermediate_size
+    second = 2 * h * i / (8 * h * h + 4 * h * i + 4 * length * h)
+    stops = sum(1 for k in chosen if k + 1 in chosen) if device.type == "cpu" else 0
+    return len(chosen) - stops * second
 
 
 def offload_largest(device_largest: int, host_bytes_per_sequence: int, host_bytes: int) -> tuple[int, str]:
