@@ -1169,7 +1169,9 @@ def render_breakdown(doc: dict) -> str:
              + ", ".join(f"{m} {b}" for m, b in s["models"].items())
              + f"; median of {s['repeats']} steps after 2 untimed first steps. Forward / step is the time full "
              "recomputation adds to a step (checkpointing every layer reruns the forward of every layer, "
-             "dropout masks redrawn from the saved RNG state), so `all` costs about 1 + that share. Random weights (the time does not depend on their values).", ""]
+             "dropout masks redrawn from the saved RNG state), so `all` costs about 1 + that share (on CPU a little "
+             "less: each layer's recomputation but the last's stops before its feed-forward's second matmul, "
+             "policies.py). Random weights (the time does not depend on their values).", ""]
     rows = doc["rows"]
     cells = []
     for r in rows:
