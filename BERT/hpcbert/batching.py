@@ -92,7 +92,8 @@ def probe_max_batch(model: torch.nn.Module, loss_of, device: torch.device, limit
                     reserve_factor: float = 3.0, margin: float = 0.9) -> int:
     """Largest micro-batch whose forward + backward fits this GPU, with the model as it will train
     (checkpointing policy applied); `loss_of(b)` runs the objective's forward and loss on a batch
-    of b sequences at the run's longest length. Doubles until out of memory, then bisects.
+    of b sequences at the run's longest length. Doubles until out of memory or past `limit` (the
+    trainer passes the rank's share of the training set), then bisects.
 
     Memory that training adds later is held during the probe: `reserve_factor` x parameter
     bytes (AdamW's two moments + DDP's gradient buckets). The result keeps `margin` of the

@@ -185,8 +185,12 @@ class Trainer:
         self.ckpt_layers = policies.apply_grad_ckpt(self.raw, cfg.grad_ckpt)
 
         # Batch arithmetic, stated once (batching.py): global = sum of per-rank batches x accumulation.
+        # auto: never more than the rank's share of the training set (4096 at most), so a small
+        # model on a large GPU does not probe batches no step of this run could fill
+        share = max(1, min(4096, len(self.train_set) // d.world_size))
         self.per_rank = batching.per_rank_batches(
-            cfg, d, lambda: batching.probe_max_batch(self.raw, self._example_loss, d.device), lambda m: log(d, m))
+            cfg, d, lambda: batching.probe_max_batch(self.raw, self._example_loss, d.device, limit=share),
+            lambda m: log(d, m))
         self.plan = batching.plan(cfg, len(self.train_set), self.per_rank)
         log(d, f"{objective.name}: {self.plan.describe(len(self.train_set))}; precision {self.precision}"
                f"{' (TF32 matmuls)' if self.tf32 else ''}; grad_ckpt {cfg.grad_ckpt} (layers {self.ckpt_layers}); "
