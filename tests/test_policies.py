@@ -123,15 +123,37 @@ def forward_matmuls_in_backward(m, precision: str = "fp32") -> int:
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_all_stops_each_recomputation_before_the_last_matmul(precision):
-    """A layer has four Linear layers (Q/K/V, attention output, feed-forward in and out). Under
-    `all` the recomputation of a layer whose output the next layer keeps stops before its
-    feed-forward's second matmul: 3 per layer, and 4 in the last (which the classifier reads)."""
+def test_recomputation_stops_before_each_layers_last_matmul(precision):
+    """A layer has four Linear layers (Q/K/V, attention output, feed-forward in and out). The
+    recomputation of a wrapped layer that keeps its output stops before its feed-forward's second
+    matmul: 3 per layer; the last layer (which the classifier reads) is recomputed whole, 4."""
     L = 4
     assert forward_matmuls_in_backward(make("none", layers=L), precision) == 0
     assert forward_matmuls_in_backward(make("all", layers=L), precision) == 3 * (L - 1) + 4
-    # alternate's wrapped layers (0 and 2) feed plain layers: the whole layer is recomputed
-    assert forward_matmuls_in_backward(make("alternate", layers=L), precision) == 2 * 4
+    assert forward_matmuls_in_backward(make("alternate", layers=L), precision) == 3 + 3  # layers 0 and 2
+    assert forward_matmuls_in_backward(make("every:3", layers=L), precision) == 3 + 4    # layers 0 and 3
+
+
+def test_alternate_keeps_no_more_for_its_shorter_recomputation():
+    """alternate (layers 0 and 2 of 4 wrapped) in fp32: the wrapped layers keep their outputs,
+    which the plain layers after them keep anyway (their Q/K/V matmul's input), and 1/std per
+    token; plain layer 1, whose output wrapped layer 2's checkpoint keeps, keeps that output too
+    instead of its last LayerNorm's fp32 input, mean and uint8 dropout mask (1/std it kept before
+    too). By hand, per sequence: -(4 + 1) x T x H - 4 x T (layer 1) + 2 x 4 x T (layers 0 and 2)."""
+    T, H = 32, CFG["hidden_size"]
+
+    def kept(m) -> int:
+        def loss_of(b: int) -> torch.Tensor:
+            ids = torch.randint(1, 400, (b, T))
+            return m.loss_sum(m(ids, None, torch.zeros_like(ids)), torch.zeros(b, dtype=torch.long))
+        return activation_bytes_per_sequence(m, loss_of, torch.device("cpu"))
+
+    m = make("alternate")
+    lean = kept(m)
+    for layer in m.bert.encoder.layer:
+        getattr(layer, "_checkpoint_wrapped_module", layer).output.keep_output_only = False
+    whole = kept(m)
+    assert lean - whole == -5 * T * H - 4 * T + 2 * 4 * T
 
 
 def trained_layer_norms(m) -> None:
@@ -148,13 +170,15 @@ def trained_layer_norms(m) -> None:
                 mod.bias.copy_(torch.randn(mod.bias.shape, generator=g) * 0.5)
 
 
-def test_all_same_gradients_as_none_with_trained_layer_norms():
+@pytest.mark.parametrize("policy", ["all", "alternate", "every:3"])
+def test_same_gradients_as_none_with_trained_layer_norms(policy):
     """The LayerNorm backward that reads the output divides by the weight: exact where the weight
-    is 1 (a fresh model), rounded elsewhere. Within 1e-5 of none's in fp32 with dropout on."""
-    models = {p: make(p, layers=3) for p in ("none", "all")}
+    is 1 (a fresh model), rounded elsewhere. Within 1e-5 of none's in fp32 with dropout on, in
+    wrapped layers and in plain ones before a wrapped one (alternate, every:3 of 4 layers)."""
+    models = {p: make(p, layers=4) for p in ("none", policy)}
     for m in models.values():
         trained_layer_norms(m)
-    (ref_loss, ref), (loss, grads) = (loss_and_grads(models[p]) for p in ("none", "all"))
+    (ref_loss, ref), (loss, grads) = (loss_and_grads(models[p]) for p in ("none", policy))
     assert torch.allclose(loss, ref_loss, rtol=1e-6, atol=0)
     for name, g in grads.items():
         rel = (g - ref[name]).norm() / ref[name].norm().clamp_min(1e-30)

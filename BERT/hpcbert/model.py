@@ -488,13 +488,16 @@ class _NormKeepingOutput(torch.autograd.Function):
     from. This is apex's and Megatron-LM's "memory-efficient" LayerNorm backward, weights clamped
     away from 0 by eps as there (a weight of exactly 0 then gets no gradient).
 
-    A policy turns it on (BertSelfOutput.keep_output_only) in a checkpointed layer whose output is
-    the next checkpointed layer's input, which that checkpoint keeps anyway: nothing is added.
-    What it saves: y and 1/std are held on ctx, out of the sight of autograd's saved-tensor hooks,
-    so the last tensors the layer hands to the checkpoint's hooks are the inputs of its feed-forward's
-    second matmul, and the recomputation stops there, before that matmul runs (torch.utils.checkpoint
-    stops early once every saved tensor is back): a third of the layer's matmul work, a dropout, the
-    residual sum and a LayerNorm are not redone."""
+    A checkpointing policy turns it on (BertSelfOutput.keep_output_only, policies.wrap_layers):
+    - in a layer before a checkpointed one, whose checkpoint keeps y anyway: the layer keeps less
+      (not the LayerNorm's fp32 input nor the mask);
+    - in a checkpointed layer (but the last): y and 1/std are held on ctx, out of the sight of
+      autograd's saved-tensor hooks, so the last tensors the layer hands to the checkpoint's hooks
+      are its feed-forward's second matmul's inputs, and the recomputation stops there, before
+      that matmul runs (torch.utils.checkpoint stops early once every saved tensor is back): a
+      third of the layer's matmul work, a dropout, the residual sum and a LayerNorm are not redone.
+      Where the next layer is not checkpointed, y is kept in addition (under autocast; in fp32 the
+      next layer's first matmul keeps y itself)."""
 
     @staticmethod
     def forward(ctx, z, residual, weight, bias, eps, p):
@@ -537,7 +540,7 @@ class BertSelfOutput(nn.Module):
         self.LayerNorm = nn.LayerNorm(c.hidden_size, eps=c.layer_norm_eps)
         self.p = c.hidden_dropout_prob
         # Backward keeps the output, not the LayerNorm's input and the mask (_NormKeepingOutput, CPU,
-        # training); a checkpointing policy sets it (policies.py: all)
+        # training); a checkpointing policy sets it (policies.wrap_layers)
         self.keep_output_only = False
 
     def forward(self, h: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:

@@ -20,7 +20,7 @@ fastest policy and batch, predicted before a run starts.
       t_seq   training FLOPs of one sequence (model.flops_per_sequence) / (peak FLOP/s x 0.5)
       cost    1 + forward FLOPs recomputed / training FLOPs: a layer recomputed whole reruns its
               forward, 1/3 of its training FLOPs, less on CPU its feed-forward's second matmul
-              where the next layer is checkpointed too (all: model._NormKeepingOutput);
+              (every wrapped layer but the last: model._NormKeepingOutput);
               selective recomputes no matmul (cost 1)
       offload per sequence max(compute, the saved bytes out to the host and back over its link)
       t_opt   the optimizer's memory traffic (read and write parameters, gradients and both
@@ -231,7 +231,8 @@ def make_plan(cfg: RunConfig, memory_bytes: int | None = None, device=None,
 def recomputed_layers(policy: str, mcfg, length: int, device) -> float:
     """Layers' forwards a policy reruns in backward, in matmul FLOPs: 1 per wrapped layer, less the
     share of its feed-forward's second matmul (2hI of the layer's 8h^2 + 4hI + 4sh per token)
-    where its recomputation stops before it (CPU, the next layer wrapped: policies.wrap_layers)."""
+    where its recomputation stops before it (CPU, every wrapped layer but the last:
+    policies.wrap_layers)."""
     from . import policies
 
     if policy in ("none", "selective", "offload"):
@@ -239,7 +240,7 @@ def recomputed_layers(policy: str, mcfg, length: int, device) -> float:
     chosen = policies.ckpt_layer_indices(policy, mcfg.num_hidden_layers)
     h, i = mcfg.hidden_size, mcfg.intermediate_size
     second = 2 * h * i / (8 * h * h + 4 * h * i + 4 * length * h)
-    stops = sum(1 for k in chosen if k + 1 in chosen) if device.type == "cpu" else 0
+    stops = sum(1 for k in chosen if k < mcfg.num_hidden_layers - 1) if device.type == "cpu" else 0
     return len(chosen) - stops * second
 
 

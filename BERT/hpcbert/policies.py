@@ -7,10 +7,13 @@ backward is the policy:
 
     alternate, all, every:K  its input only; the whole layer is recomputed in backward (`all`
                              wraps the embeddings too: they keep their ids, not the fp32 sum,
-                             LayerNorm input and dropout mask of every token). Under `all` on CPU a
-                             layer also keeps for its last LayerNorm's backward that LayerNorm's
-                             output (the next layer's input: kept anyway) and 1/std per token, so
-                             its recomputation stops before the feed-forward's second matmul
+                             LayerNorm input and dropout mask of every token). On CPU a wrapped
+                             layer but the last also keeps, for its last LayerNorm's backward, that
+                             LayerNorm's output and 1/std per token, so that its recomputation
+                             stops before the feed-forward's second matmul; so does a plain layer
+                             before a wrapped one, instead of the LayerNorm's input and dropout
+                             mask. Under `all` the output is the next layer's input, kept anyway;
+                             under alternate the plain layers' savings pay for it
     selective                (every layer) what none keeps, less what is cheap to redo from what
                              it keeps anyway: a GELU's output (from its input, the feed-forward's
                              matmul output, which the GELU's backward keeps) and a LayerNorm's
@@ -164,13 +167,15 @@ def wrap_layers(model: nn.Module, policy: str) -> list[int]:
     fn = {"selective": functools.partial(_selective_in_training, hooks=_SelectiveHooks(model)),
           "offload": _offload_in_training}.get(policy, _checkpoint_in_training)
     chosen = ckpt_layer_indices(policy, len(layers))
+    if fn is _checkpoint_in_training:
+        # Which layers' last LayerNorm keeps its output for backward (model._NormKeepingOutput): a
+        # wrapped layer, to stop its recomputation before its last matmul, and a plain layer whose
+        # output the next (wrapped) layer keeps, to keep less. Not the last layer: a span head's
+        # output is every token's, kept in addition.
+        for i in range(len(layers) - 1):
+            layers[i].output.keep_output_only = i in chosen or i + 1 in chosen
     for i in chosen:
         layers[i].attention.self.pack_dropout_mask = policy == "selective"
-        # A layer whose output is the next wrapped layer's input (kept by that layer's checkpoint)
-        # keeps that output for its final LayerNorm's backward, not the LayerNorm's input, so its
-        # recomputation stops before the feed-forward's second matmul (model._NormKeepingOutput).
-        # Elsewhere (alternate, every:K) the output would be kept in addition: not done.
-        layers[i].output.keep_output_only = fn is _checkpoint_in_training and i + 1 in chosen
         layers[i] = checkpoint_wrapper(layers[i], checkpoint_fn=fn)
     if policy == "all":
         model.bert.embeddings = checkpoint_wrapper(model.bert.embeddings, checkpoint_fn=fn)
@@ -185,7 +190,7 @@ def unwrap_layers(model: nn.Module) -> None:
         if isinstance(layer, CheckpointWrapper):
             layers[i] = layer._checkpoint_wrapped_module
             layers[i].attention.self.pack_dropout_mask = False
-            layers[i].output.keep_output_only = False
+        layers[i].output.keep_output_only = False
     if isinstance(model.bert.embeddings, CheckpointWrapper):
         model.bert.embeddings = model.bert.embeddings._checkpoint_wrapped_module
 
