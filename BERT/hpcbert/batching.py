@@ -88,7 +88,10 @@ def largest_that_fits(fits, limit: int) -> int:
     return lo
 
 
-def probe_max_batch(model: torch.nn.Module, loss_of, device: torch.device, limit: int = 4096,
+PROBE_LIMIT = 4096  # the largest micro-batch --per-rank-batch auto tries
+
+
+def probe_max_batch(model: torch.nn.Module, loss_of, device: torch.device, limit: int = PROBE_LIMIT,
                     reserve_factor: float = 3.0, margin: float = 0.9) -> int:
     """Largest micro-batch whose forward + backward fits this GPU, with the model as it will train
     (checkpointing policy applied); `loss_of(b)` runs the objective's forward and loss on a batch

@@ -185,9 +185,9 @@ class Trainer:
         self.ckpt_layers = policies.apply_grad_ckpt(self.raw, cfg.grad_ckpt)
 
         # Batch arithmetic, stated once (batching.py): global = sum of per-rank batches x accumulation.
-        # auto: never more than the rank's share of the training set (4096 at most), so a small
-        # model on a large GPU does not probe batches no step of this run could fill
-        share = max(1, min(4096, len(self.train_set) // d.world_size))
+        # auto: never more than the rank's share of the training set, so a small model on a large
+        # GPU does not probe batches no step of this run could fill
+        share = max(1, min(batching.PROBE_LIMIT, len(self.train_set) // d.world_size))
         self.per_rank = batching.per_rank_batches(
             cfg, d, lambda: batching.probe_max_batch(self.raw, self._example_loss, d.device, limit=share),
             lambda m: log(d, m))
