@@ -5,7 +5,7 @@ own `checkpoint_wrapper` (the one torchtitan and FSDP use), which keeps state_di
 so checkpoints and HF weights load the same with or without it. What a wrapped layer keeps for
 backward is the policy:
 
-    alternate, all, every:K  its input only; the whole layer is recomputed in backward (`all`
+    alternate, all, every:K  its input only; the layer is recomputed in backward (`all`
                              wraps the embeddings too: they keep their ids, not the fp32 sum,
                              LayerNorm input and dropout mask of every token). On CPU a wrapped
                              layer but the last also keeps, for its last LayerNorm's backward, that
