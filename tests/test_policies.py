@@ -36,7 +36,7 @@ def loss_and_grads(m):
     return loss.detach(), {n.replace("._checkpoint_wrapped_module", ""): p.grad.clone() for n, p in m.named_parameters()}
 
 
-@pytest.mark.parametrize("policy", ["alternate", "all", "every:3"])
+@pytest.mark.parametrize("policy", ["alternate", "all", "every:2", "every:3"])
 def test_same_loss_and_gradients_as_none_with_dropout(policy):
     ref_loss, ref_grads = loss_and_grads(make("none"))
     loss, grads = loss_and_grads(make(policy))
@@ -126,16 +126,68 @@ def forward_matmuls_in_backward(m, precision: str = "fp32") -> int:
 def test_recomputation_stops_before_each_layers_last_matmul(precision):
     """A layer has four Linear layers (Q/K/V, attention output, feed-forward in and out). The
     recomputation of a wrapped layer that keeps its output stops before its feed-forward's second
-    matmul: 3 per layer; the last layer (which the classifier reads) is recomputed whole, 4."""
+    matmul: 3 per layer; the last layer (which the classifier reads) is recomputed whole, 4. Under
+    alternate a wrapped layer keeps its feed-forward's tensors: 2 per layer, the last one too."""
     L = 4
     assert forward_matmuls_in_backward(make("none", layers=L), precision) == 0
     assert forward_matmuls_in_backward(make("all", layers=L), precision) == 3 * (L - 1) + 4
-    assert forward_matmuls_in_backward(make("alternate", layers=L), precision) == 3 + 3  # layers 0 and 2
-    assert forward_matmuls_in_backward(make("every:3", layers=L), precision) == 3 + 4    # layers 0 and 3
+    assert forward_matmuls_in_backward(make("every:2", layers=L), precision) == 3 + 3   # layers 0 and 2
+    assert forward_matmuls_in_backward(make("every:3", layers=L), precision) == 3 + 4   # layers 0 and 3
+    assert forward_matmuls_in_backward(make("alternate", layers=L), precision) == 2 + 2  # layers 0 and 2
+    assert forward_matmuls_in_backward(make("alternate", layers=L + 1), precision) == 2 + 2 + 2  # 0, 2, 4 (last)
+    assert forward_matmuls_in_backward(make("selective", layers=L), precision) == 0
 
 
-def test_alternate_keeps_no_more_for_its_shorter_recomputation():
-    """alternate (layers 0 and 2 of 4 wrapped) in fp32: the wrapped layers keep their outputs,
+def test_alternate_recomputation_takes_the_attention_mask_it_kept(monkeypatch):
+    """Masks drawn during backward (model.keep_mask), layers 0 and 2 of 4 recomputed. every:2
+    recomputes each one's attention dropout and its output projection's dropout (2 x 2); layers 0,
+    1 and 2 redraw their last LayerNorm's mask for its backward (3, model._NormKeepingOutput).
+    alternate's recomputation takes the attention mask from the forward's bits: 2 x 1 + 3. Once
+    the graph is freed, no mask is held any more."""
+    from hpcbert import model as model_module
+
+    drawn = []
+    keep_mask = model_module.keep_mask
+    monkeypatch.setattr(model_module, "keep_mask", lambda *a, **k: drawn.append(a[0]) or keep_mask(*a, **k))
+
+    def draws_in_backward(policy: str) -> int:
+        m = make(policy)
+        ids, mask, types, labels = batch()
+        loss = m.loss_sum(m(ids, mask, types), labels)
+        drawn.clear()
+        loss.backward()
+        return len(drawn)
+
+    assert draws_in_backward("every:2") == 2 * 2 + 3
+    assert draws_in_backward("alternate") == 2 * 1 + 3
+    assert len(model_module._DRAWN_MASKS) == 0
+
+
+def test_alternate_trades_the_feed_forward_of_wrapped_layers_for_selective_plain_layers():
+    """alternate (layers 0 and 2 of 4 recomputed) against every:2 (the same layers, recomputed up
+    to their last matmul), fp32, per sequence of T tokens, by hand:
+    - layers 0 and 2 keep their feed-forward's input (T x H) and first matmul's output (T x I),
+      not its GELU output (a recipe from that matmul output), and their attention's dropout mask
+      as bits (N T^2 / 8 bytes), which the recomputation takes instead of drawing it again:
+      + 2 x 4 (T H + T I) + 2 x N T^2 / 8;
+    - layers 1 and 3 keep what selective keeps: no GELU output, no LayerNorm output for the
+      feed-forward (layer 3, which the classifier reads, computes its feed-forward on the [CLS]
+      row only: 1 row, not T), and the attention's dropout mask as bits, not bytes (N T^2 each):
+      - 4 (T H + T I) - 4 (H + I) - 2 x 7/8 N T^2."""
+    T, H, I, N = 32, CFG["hidden_size"], CFG["intermediate_size"], CFG["num_attention_heads"]
+
+    def kept(m) -> int:
+        def loss_of(b: int) -> torch.Tensor:
+            ids = torch.randint(1, 400, (b, T))
+            return m.loss_sum(m(ids, None, torch.zeros_like(ids)), torch.zeros(b, dtype=torch.long))
+        return activation_bytes_per_sequence(m, loss_of, torch.device("cpu"))
+
+    assert kept(make("alternate")) - kept(make("every:2")) == (4 * (T * H + T * I) - 4 * (H + I) - 7 * N * T * T // 4
+                                                             + 2 * N * T * T // 8)
+
+
+def test_every_2_keeps_no_more_for_its_shorter_recomputation():
+    """every:2 (layers 0 and 2 of 4 wrapped) in fp32: the wrapped layers keep their outputs,
     which the plain layers after them keep anyway (their Q/K/V matmul's input), and 1/std per
     token; plain layer 1, whose output wrapped layer 2's checkpoint keeps, keeps that output too
     instead of its last LayerNorm's fp32 input, mean and uint8 dropout mask (1/std it kept before
@@ -148,7 +200,7 @@ def test_alternate_keeps_no_more_for_its_shorter_recomputation():
             return m.loss_sum(m(ids, None, torch.zeros_like(ids)), torch.zeros(b, dtype=torch.long))
         return activation_bytes_per_sequence(m, loss_of, torch.device("cpu"))
 
-    m = make("alternate")
+    m = make("every:2")
     lean = kept(m)
     for layer in m.bert.encoder.layer:
         getattr(layer, "_checkpoint_wrapped_module", layer).output.keep_output_only = False
@@ -170,7 +222,7 @@ def trained_layer_norms(m) -> None:
                 mod.bias.copy_(torch.randn(mod.bias.shape, generator=g) * 0.5)
 
 
-@pytest.mark.parametrize("policy", ["all", "alternate", "every:3"])
+@pytest.mark.parametrize("policy", ["all", "alternate", "every:2", "every:3"])
 def test_same_gradients_as_none_with_trained_layer_norms(policy):
     """The LayerNorm backward that reads the output divides by the weight: exact where the weight
     is 1 (a fresh model), rounded elsewhere. Within 1e-5 of none's in fp32 with dropout on, in

@@ -371,7 +371,7 @@ def test_glue_and_synthetic_objectives_implement_the_protocol():
         preds = obj.predict(out, batch)
         assert loss.ndim == 0 and preds["pred"].shape == (3,)
         # The per-example loss terms the evaluation averages are the training loss's terms.
-        assert float(np.mean(preds["loss"])) == pytest.approx(float(loss), rel=1e-6)
+        assert float(np.mean(preds["loss"])) == pytest.approx(float(loss.detach()), rel=1e-6)
         if labels > 1:
             assert obj.hf_config()["id2label"] == {str(i): name for i, name in enumerate(obj.spec.labels)}
     with pytest.raises(ValueError, match="mrpx"):

@@ -13,6 +13,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import weakref
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
@@ -20,6 +21,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils.flop_counter import register_flop_formula
 
 
@@ -230,6 +232,12 @@ def _(shape, drops, device):
     return torch.empty(shape, dtype=torch.uint8)
 
 
+def _skip_keep_mask() -> None:
+    """Advance torch's CPU generator as `keep_mask` does (its one seed), drawing no mask: for a mask
+    taken from an earlier draw at the same generator state, so that the draws after it are the same."""
+    torch.randint(0, 2**63 - 1, (), dtype=torch.int64)
+
+
 def _apply_keep(x: torch.Tensor, keep: torch.Tensor, scale: float) -> torch.Tensor:
     """x times a `keep_mask` mask in x's dtype and its scale: CPU dropout, forward and backward.
     A multiplication: masked_fill with a bool mask measured ~5x slower on this CPU."""
@@ -285,8 +293,22 @@ class _CpuAttention(torch.autograd.Function):
     beyond its matmuls."""
 
     @staticmethod
-    def forward(ctx, qkv, groups, n_head, p, packed):
-        out, *saved = torch.ops.hpcbert.cpu_attention(qkv, [x for g in groups for x in g], n_head, p, packed)
+    def forward(ctx, qkv, groups, n_head, p, packed, reuse=False):
+        flat = [x for g in groups for x in g]
+        key = bits = None
+        if reuse and p and not isinstance(qkv, FakeTensor):  # FakeTensorMode (hpcbert plan): no state to read
+            # The mask is a function of the generator state, the shape and p: a node that drew it from
+            # this state and is still alive (its graph not yet freed) holds its bits.
+            key = (torch.get_rng_state().numpy().tobytes(), tuple(flat), n_head, p)
+            first = _DRAWN_MASKS.get(key)
+            bits = None if first is None else first.mask_bits
+        out, *saved = torch.ops.hpcbert.cpu_attention(qkv, flat, n_head, p, packed, bits)
+        if bits is not None:
+            saved.append(bits)
+        elif reuse and p:
+            ctx.mask_bits = saved[-1]  # held by this node, past a checkpoint that drops what it saves
+            if key is not None:
+                _DRAWN_MASKS[key] = ctx
         ctx.save_for_backward(qkv, *saved)
         ctx.groups, ctx.n_head, ctx.p, ctx.packed = groups, n_head, p, packed
         return out
@@ -319,7 +341,13 @@ class _CpuAttention(torch.autograd.Function):
             dS = torch.ops.aten._softmax_backward_data(dP, P, -1, P.dtype)
             g[:, :, 0] = (dS @ k).transpose(1, 2) * D ** -0.5
             g[:, :, 1] = (dS.transpose(-1, -2) @ q).transpose(1, 2) * D ** -0.5
-        return dqkv, None, None, None, None
+        return dqkv, None, None, None, None, None
+
+
+# Attention dropout masks that a recomputation can take instead of drawing them again (attention's
+# `reuse_mask`): (generator state, groups, heads, p) -> the forward's autograd node, which holds the
+# mask's bits. Weak: an entry lasts as long as the graph whose backward would recompute it.
+_DRAWN_MASKS: "weakref.WeakValueDictionary[tuple, object]" = weakref.WeakValueDictionary()
 
 
 def _keep_sizes(groups, n_head: int) -> list[int]:
@@ -334,9 +362,12 @@ def _unpack_keeps(keep: torch.Tensor, groups, n_head: int, packed: bool) -> tupl
 
 
 @torch.library.custom_op("hpcbert::cpu_attention", mutates_args=())
-def _cpu_attention_op(qkv: torch.Tensor, groups: list[int], n_head: int, p: float, packed: bool) -> list[torch.Tensor]:
+def _cpu_attention_op(qkv: torch.Tensor, groups: list[int], n_head: int, p: float, packed: bool,
+                      bits: torch.Tensor | None = None) -> list[torch.Tensor]:
     """_CpuAttention's forward: [out (n, H), P of every group (nb, N, L, L), and where p > 0 the
-    keep mask of all groups, flat: uint8, or bits packed 8 to a byte]. `groups` flat (r0, nb, L)."""
+    keep mask of all groups, flat: uint8, or bits packed 8 to a byte]. `groups` flat (r0, nb, L).
+    `bits`: the mask, packed, from an earlier draw at the generator's present state: no new draw
+    (the generator advances as if), and the mask is not returned."""
     groups3 = list(zip(groups[::3], groups[1::3], groups[2::3]))
     n, H3 = qkv.shape
     H = H3 // 3
@@ -345,7 +376,11 @@ def _cpu_attention_op(qkv: torch.Tensor, groups: list[int], n_head: int, p: floa
     Ps = []
     if p:  # one mask for every group's (nb, N, L, L) probabilities: one draw, split per group
         sizes = _keep_sizes(groups3, n_head)
-        flat, scale = keep_mask((sum(sizes),), p, qkv.device)
+        if bits is None:
+            flat, scale = keep_mask((sum(sizes),), p, qkv.device)
+        else:
+            _skip_keep_mask()
+            flat, scale = torch.from_numpy(np.unpackbits(bits.numpy(), count=sum(sizes))), keep_scale(p)
         keeps = flat.split(sizes)
     with torch.autocast("cpu", enabled=False):  # in qkv's dtype; the softmax accumulates in fp32
         for i, (r0, nb, L) in enumerate(groups3):
@@ -358,13 +393,13 @@ def _cpu_attention_op(qkv: torch.Tensor, groups: list[int], n_head: int, p: floa
             # P * keep promotes the uint8 mask in the multiplication (no converted copy)
             o = ((P * keeps[i].view(P.shape)) @ v).mul_(scale) if p else P @ v
             out[r0:r0 + nb * L] = o.transpose(1, 2).reshape(nb * L, H)
-    if not p:
+    if not p or bits is not None:
         return [out, *Ps]
     return [out, *Ps, torch.from_numpy(np.packbits(flat.numpy().view(bool))) if packed else flat]
 
 
 @register_flop_formula(torch.ops.hpcbert.cpu_attention, get_raw=True)
-def _cpu_attention_flops(qkv, groups, n_head, p, packed, out_val=None) -> int:
+def _cpu_attention_flops(qkv, groups, n_head, p, packed, bits=None, out_val=None) -> int:
     """For torch's FlopCounterMode, which counts operators and cannot see inside this one: its two
     matmuls per group, S = Q K^T and P V, 2 nb N L L D FLOPs each (what SDPA's formula counts)."""
     D = qkv.shape[1] // 3 // n_head
@@ -372,11 +407,11 @@ def _cpu_attention_flops(qkv, groups, n_head, p, packed, out_val=None) -> int:
 
 
 @_cpu_attention_op.register_fake
-def _(qkv, groups, n_head, p, packed):
+def _(qkv, groups, n_head, p, packed, bits=None):
     sizes = _keep_sizes(zip(groups[::3], groups[1::3], groups[2::3]), n_head)
     Ps = [qkv.new_empty(nb, n_head, L, L) for nb, L in zip(groups[1::3], groups[2::3])]
     out = qkv.new_empty(qkv.shape[0], qkv.shape[1] // 3)
-    if not p:
+    if not p or bits is not None:
         return [out, *Ps]
     m = sum(sizes)
     return [out, *Ps, qkv.new_empty((m + 7) // 8 if packed else m, dtype=torch.uint8)]
@@ -433,14 +468,16 @@ def padded_attention(qkv: torch.Tensor, tokens: Tokens, n_head: int, p: float) -
 
 
 @torch.compiler.disable  # a loop over sequences and host lengths: a graph break, not a recompile per batch
-def attention(qkv: torch.Tensor, tokens: Tokens, n_head: int, p: float, pack_mask: bool = False) -> torch.Tensor:
+def attention(qkv: torch.Tensor, tokens: Tokens, n_head: int, p: float, pack_mask: bool = False,
+              reuse_mask: bool = False) -> torch.Tensor:
     """(n, 3H) fused Q/K/V rows -> (n, H) attention output, each token attending to the real tokens
     of its own sequence; `p` = attention dropout (0 outside training); `pack_mask`: on CPU, keep
-    the dropout mask for backward as bits, not bytes."""
+    the dropout mask for backward as bits, not bytes; `reuse_mask` (with `pack_mask`): hold those
+    bits past a checkpoint, whose recomputation then takes them instead of drawing the mask again."""
     n, H = qkv.shape[0], qkv.shape[1] // 3
     D = H // n_head
     if qkv.device.type == "cpu":
-        return _CpuAttention.apply(qkv, tokens.groups, n_head, p, pack_mask)
+        return _CpuAttention.apply(qkv, tokens.groups, n_head, p, pack_mask, pack_mask and reuse_mask)
     if tokens.index is not None and _flash_varlen_ok(qkv, D):
         q, k, v = (t.contiguous() for t in qkv.view(n, 3, n_head, D).unbind(1))  # 3 x (n, N, D)
         return _FlashVarlen.apply(q, k, v, tokens.cu_seqlens, tokens.max_len, p).reshape(n, H)
@@ -472,12 +509,14 @@ class BertSelfAttention(nn.Module):
         self.qkv = nn.Linear(c.hidden_size, 3 * c.hidden_size)
         self.p = c.attention_probs_dropout_prob
         # CPU: keep the attention dropout mask as bits (8x fewer bytes, ~0.3 ms a layer to pack
-        # and unpack); a memory policy sets it (policies.py: selective)
+        # and unpack), and hold them for a checkpoint's recomputation (reuse); memory policies set
+        # them (policies.py: selective, alternate)
         self.pack_dropout_mask = False
+        self.reuse_dropout_mask = False
 
     def forward(self, x: torch.Tensor, tokens: Tokens) -> torch.Tensor:
         return attention(self.qkv(x), tokens, self.n_head, self.p if self.training else 0.0,
-                         self.pack_dropout_mask)  # (n, H)
+                         self.pack_dropout_mask, self.reuse_dropout_mask)  # (n, H)
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         # HF checkpoints (and this project's before Q/K/V were fused) hold the three projections.
@@ -593,9 +632,16 @@ class BertLayer(nn.Module):
         self.attention = BertAttention(c)
         self.intermediate = BertIntermediate(c)
         self.output = BertSelfOutput(c, c.intermediate_size)
+        # Saved-tensor hooks (pack, unpack) around the feed-forward in training: a checkpointing
+        # policy sets them (policies.wrap_layers: alternate), so that a checkpointed layer keeps its
+        # feed-forward's activations and recomputes only its attention
+        self.ffn_hooks = None
 
     def forward(self, x: torch.Tensor, tokens: Tokens, rows: torch.Tensor | None = None) -> torch.Tensor:
         a = self.attention(x, tokens, rows)
+        if self.ffn_hooks is not None and self.training and torch.is_grad_enabled():
+            with torch.autograd.graph.saved_tensors_hooks(*self.ffn_hooks):
+                return self.output(self.intermediate(a), a)
         return self.output(self.intermediate(a), a)
 
 
