@@ -16,7 +16,8 @@ import typing
 from dataclasses import dataclass, fields
 from typing import Any
 
-GRAD_CKPT_HELP = ("none | alternate (every second layer) | all | every:K (every K-th layer) | selective (every "
+GRAD_CKPT_HELP = ("none | alternate (every second layer reruns its attention; the others as selective) | all | "
+                  "every:K (every K-th layer recomputed) | selective (every "
                   "layer recomputes its GELU outputs and the LayerNorm outputs a matmul reads, keeps the rest) "
                   "| offload (CUDA: saved "
                   "activations wait in pinned host memory) | auto (hpcbert plan's fastest that fits)")
@@ -186,7 +187,7 @@ class RunConfig:
     precision: str = "auto"
     """auto (bf16 where the device has native bf16, else fp32), fp32, bf16 (autocast) or fp16 (autocast + loss scaler)."""
     grad_ckpt: str = "none"
-    """Gradient checkpointing policy: none, alternate (every second layer), all, every:K, selective (every layer keeps what none keeps but its GELU outputs and the LayerNorm outputs a matmul reads, which backward recomputes: no matmul, attention or dropout draw runs again), offload (CUDA: saved activations wait in pinned host memory), or auto (hpcbert plan's fastest policy that fits this device's free memory)."""
+    """Gradient checkpointing policy: none, alternate (every second layer reruns its attention in backward, the others keep what selective keeps), all, every:K, selective (every layer keeps what none keeps but its GELU outputs and the LayerNorm outputs a matmul reads, which backward recomputes: no matmul, attention or dropout draw runs again), offload (CUDA: saved activations wait in pinned host memory), or auto (hpcbert plan's fastest policy that fits this device's free memory)."""
     compile: str = "auto"
     """torch.compile the model: on, off, or auto (on where it was measured faster and exact: see policies.COMPILE_AUTO). --compile alone is on; config.json files of older runs with true/false read as on/off."""
     dropout: float | None = None
