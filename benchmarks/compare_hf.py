@@ -1171,7 +1171,8 @@ def render_breakdown(doc: dict) -> str:
              "recomputation adds to a step (checkpointing every layer reruns the forward of every layer, "
              "dropout masks redrawn from the saved RNG state), so `all` costs about 1 + that share (on CPU a little "
              "less: each layer's recomputation but the last's stops before its feed-forward's second matmul, "
-             "policies.py; `alternate` about half of that). Random weights (the time does not depend on their values).", ""]
+             "policies.py; `alternate`, which reruns only the attention of every second layer, well under half "
+             "of that). Random weights (the time does not depend on their values).", ""]
     rows = doc["rows"]
     cells = []
     for r in rows:
