@@ -218,10 +218,17 @@ def keep_scale(p: float) -> float:
     return 65536 / (65536 - round(p * 65536))
 
 
+def _keep_mask_seed() -> torch.Tensor:
+    """The one draw `keep_mask` takes from torch's CPU generator: its mask's seed. A mask taken from
+    an earlier draw at the same generator state draws this alone, so that the draws after it are
+    the same."""
+    return torch.randint(0, 2**63 - 1, (), dtype=torch.int64)
+
+
 @torch.library.custom_op("hpcbert::keep_mask", mutates_args=())
 def _keep_mask_op(shape: list[int], drops: int, device: torch.device) -> torch.Tensor:
     n = math.prod(shape)
-    seed = torch.randint(0, 2**63 - 1, (), dtype=torch.int64)
+    seed = _keep_mask_seed()
     lanes = np.random.SFC64(cpu_value(seed)).random_raw((n + 3) // 4).view(np.int16)[:n]
     keep = np.greater_equal(lanes, drops - 32768).view(np.uint8)  # 1 byte per element, 1 = kept
     return torch.from_numpy(keep).view(shape)
@@ -230,12 +237,6 @@ def _keep_mask_op(shape: list[int], drops: int, device: torch.device) -> torch.T
 @_keep_mask_op.register_fake
 def _(shape, drops, device):
     return torch.empty(shape, dtype=torch.uint8)
-
-
-def _skip_keep_mask() -> None:
-    """Advance torch's CPU generator as `keep_mask` does (its one seed), drawing no mask: for a mask
-    taken from an earlier draw at the same generator state, so that the draws after it are the same."""
-    torch.randint(0, 2**63 - 1, (), dtype=torch.int64)
 
 
 def _apply_keep(x: torch.Tensor, keep: torch.Tensor, scale: float) -> torch.Tensor:
@@ -379,7 +380,7 @@ def _cpu_attention_op(qkv: torch.Tensor, groups: list[int], n_head: int, p: floa
         if bits is None:
             flat, scale = keep_mask((sum(sizes),), p, qkv.device)
         else:
-            _skip_keep_mask()
+            _keep_mask_seed()  # the generator advances as keep_mask would have advanced it
             flat, scale = torch.from_numpy(np.unpackbits(bits.numpy(), count=sum(sizes))), keep_scale(p)
         keeps = flat.split(sizes)
     with torch.autocast("cpu", enabled=False):  # in qkv's dtype; the softmax accumulates in fp32
