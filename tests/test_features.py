@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
 from conftest import minilm_available
 from hpcbert.data import synthetic
-from hpcbert.data.features import (Features, cached_features, collate, epoch_order, global_batches, load_tokenizer,
-                                   shard, tokenize_examples)
+from hpcbert.data import features
+from hpcbert.data.features import (Features, cached_features, collate, epoch_order, global_batches,
+                                   load_tokenizer, shard, to_device, tokenize_examples)
 from hpcbert.data.glue import Example
 
 
@@ -26,6 +28,50 @@ def test_collate_pads_to_longest_and_masks():
     assert b.real_tokens == 10
     assert collate(f, [0, 2], pad_to=8).input_ids.shape == (2, 8)
     assert collate(f, [1]).attention_mask is None  # nothing padded: SDPA's fast path
+
+
+def test_packed_copy_gives_every_tensor_back_from_one_buffer():
+    """The GPU's one-copy transfer (run here on CPU, unpinned): every tensor back bit for bit, with
+    its dtype and shape, None as None, from one new buffer (no input aliased)."""
+    g = torch.Generator().manual_seed(0)
+    ts = [torch.randint(0, 30522, (3, 7), generator=g), torch.tensor([True, False, True]), None,
+          torch.tensor([0, 3, 5], dtype=torch.int32), torch.randn(5, generator=g), torch.tensor(2.5),
+          torch.empty(0, dtype=torch.int64), torch.randn(4, 6, generator=g).t(),  # not contiguous
+          torch.tensor([1, 2, 3], dtype=torch.uint8)]
+    out = to_device(ts, torch.device("cpu"), pack=True)
+    assert out[2] is None
+    for t, o in zip(ts, out):
+        if t is not None:
+            assert (o.dtype, o.shape) == (t.dtype, t.shape) and torch.equal(o, t)
+            if t.numel():
+                assert o.untyped_storage().data_ptr() != t.untyped_storage().data_ptr()
+    storages = {o.untyped_storage().data_ptr() for o in out if o is not None}
+    assert len(storages) == 1
+    assert all(o.data_ptr() % 16 == 0 for o in out if o is not None)
+
+
+@pytest.mark.parametrize("labels", ["tensor", "dict"])
+def test_batch_sent_in_one_packed_copy_equals_the_batch(monkeypatch, labels):
+    """Batch.to with the GPU's packed copy (forced here on CPU) gives the batch it gives without:
+    the same tensors and the same unpadded layout."""
+    b = collate(feats([3, 5, 2, 5], labels=[1, 0, 1, 1]), [0, 1, 2, 3])
+    if labels == "dict":
+        b.labels = {"start": torch.tensor([0, 1, 2, 3]), "end": torch.tensor([0.5, 1.0, 1.5, 2.0])}
+    plain = b.to(torch.device("cpu"))
+    monkeypatch.setattr(features, "to_device", lambda ts, device: to_device(ts, device, pack=True))
+    packed = b.to(torch.device("cpu"))
+    for name in ("input_ids", "token_type_ids", "attention_mask"):
+        assert torch.equal(getattr(packed, name), getattr(plain, name)), name
+    if labels == "dict":
+        assert packed.labels.keys() == plain.labels.keys()
+        assert all(torch.equal(packed.labels[k], plain.labels[k]) for k in plain.labels)
+    else:
+        assert torch.equal(packed.labels, plain.labels)
+    p, q = packed.tokens, plain.tokens
+    assert (p.B, p.T, p.lengths, p.groups) == (q.B, q.T, q.lengths, q.groups) == (4, 5, [3, 5, 2, 5], p.groups)
+    assert torch.equal(p.index, q.index) and torch.equal(p.cu_seqlens, q.cu_seqlens) and torch.equal(p.mask, q.mask)
+    assert p.cu_seqlens.tolist() == [0, 3, 8, 10, 15] and p.index.tolist() == [0, 1, 2, 5, 6, 7, 8, 9, 10, 11,
+                                                                               15, 16, 17, 18, 19]
 
 
 @pytest.mark.parametrize("sampler", ["random", "length-grouped", "sequential"])

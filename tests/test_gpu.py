@@ -77,3 +77,35 @@ def test_auto_precision_on_this_gpu_follows_its_compute_capability(tmp_path):
     native = torch.cuda.get_device_capability(0) >= (8, 0)
     assert s["precision"] == ("bf16" if native else "fp32")
     assert s["peak_flops"] is None or s["mfu"] is None or 0 < s["mfu"] < 1
+
+
+def test_a_batch_goes_to_the_gpu_without_waiting_for_it():
+    """Batch.to copies the whole batch in one transfer from pinned memory: the host does not wait
+    for the GPU's queued work, so it can queue the step while the last one runs. A copy from
+    pageable memory (the control) waits for the queue to drain first."""
+    import time
+
+    import numpy as np
+
+    from hpcbert.data.features import Features, collate
+
+    f = Features.from_lists([list(range(100, 100 + n)) for n in (30, 50, 20)], [[0] * n for n in (30, 50, 20)],
+                            [0, 1, 0])
+    b = collate(f, [0, 1, 2])
+    dev = torch.device("cuda")
+    b.to(dev)  # the pinned host allocator's first block
+    torch.cuda.synchronize()
+
+    def host_seconds(fn) -> tuple:
+        torch.cuda._sleep(2_000_000_000)  # the GPU busy for ~1 s
+        t = time.perf_counter()
+        out = fn()
+        dt = time.perf_counter() - t
+        torch.cuda.synchronize()
+        return dt, out
+
+    packed, moved = host_seconds(lambda: b.to(dev))
+    pageable, _ = host_seconds(lambda: torch.from_numpy(np.arange(1000)).to(dev, non_blocking=True))
+    assert packed < 0.1 < pageable, (packed, pageable)
+    assert torch.equal(moved.input_ids.cpu(), b.input_ids) and torch.equal(moved.labels.cpu(), b.labels)
+    assert moved.tokens.cu_seqlens.tolist() == [0, 30, 80, 100]

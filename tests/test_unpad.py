@@ -386,13 +386,17 @@ def test_cuda_kernels_match_the_cpu_model(dtype, monkeypatch):
     loss.backward()
     ref = our_grads(ours)
 
-    def gpu_grads(policy: str) -> dict[str, torch.Tensor]:
+    def gpu_grads(policy: str, compiled: bool = False) -> dict[str, torch.Tensor]:
         torch.manual_seed(0)
         gpu = BertForSequenceClassification(BertConfig(**TINY, **NO_DROPOUT)).cuda()
         gpu.load_state_dict(ours.state_dict())
         policies.apply_grad_ckpt(gpu, policy)
+        # compiled: one graph, the attention kernels traced into it (fullgraph fails on a break);
+        # the layout built outside it, as the training loop's Batch.to does
+        run = torch.compile(gpu, dynamic=True, fullgraph=True) if compiled else gpu
+        tokens = Tokens.of(mask.cuda(), *ids.shape, torch.device("cuda"))
         with torch.autocast("cuda", dtype=dtype, enabled=dtype != torch.float32):
-            out = gpu.train()(ids.cuda(), mask.cuda(), types.cuda())
+            out = run.train()(ids.cuda(), tokens, types.cuda())
         gpu.loss_sum(out, labels.cuda()).backward()
         return {k: v.float().cpu() for k, v in our_grads(gpu).items()}
 
@@ -406,6 +410,7 @@ def test_cuda_kernels_match_the_cpu_model(dtype, monkeypatch):
     if dtype == torch.float32:
         for policy in ("none", "offload", "selective"):
             assert_same_grads(gpu_grads(policy), ref, tol=1e-4)
+        assert_same_grads(gpu_grads("none", compiled=True), ref, tol=1e-4)
         return
     with monkeypatch.context() as m:  # PyTorch's SDPA on the padded layout, in bf16: the rounding scale
         m.setattr(M, "_flash_varlen_ok", lambda *a: False)
@@ -416,6 +421,31 @@ def test_cuda_kernels_match_the_cpu_model(dtype, monkeypatch):
         assert grads.keys() == ref.keys()
         worst = {k: rel(g, ref[k]) for k, g in grads.items() if rel(g, ref[k]) > bound[k]}
         assert not worst, f"{policy}: gradients beyond twice bf16 SDPA's distance from fp32: {worst}"
+    grads = gpu_grads("none", compiled=True)
+    worst = {k: rel(g, ref[k]) for k, g in grads.items() if rel(g, ref[k]) > bound[k]}
+    assert not worst, f"compiled: gradients beyond twice bf16 SDPA's distance from fp32: {worst}"
+
+
+def test_attention_is_a_graph_break_on_cpu_only():
+    """torch.compile traces the whole model where attention runs PyTorch kernels (a GPU; here the
+    meta device, which takes the same path as CUDA's padded SDPA and lacks only the flash kernel,
+    checked compiled on a GPU in test_cuda_kernels_match_the_cpu_model): one graph. On CPU, the
+    attention kernel loops over host lengths and is a graph break in every layer."""
+    import numpy as np
+
+    lengths, T = np.array([5, 7, 3]), 7
+    index, cu = Tokens.host_layout(lengths, T)
+    mask = torch.from_numpy(np.arange(T)[None] < lengths[:, None])
+    ids = torch.randint(5, TINY["vocab_size"], (3, T), generator=torch.Generator().manual_seed(0))
+    counts = {}
+    for dev in ("meta", "cpu"):
+        torch.manual_seed(0)
+        m = BertForSequenceClassification(BertConfig(**TINY)).to(dev).train()
+        tokens = Tokens.build(lengths.tolist(), 3, T, mask.to(dev), index.to(dev), cu.to(dev))
+        ex = torch._dynamo.explain(lambda i, t: m(i, t, torch.zeros_like(i)).sum())(ids.to(dev), tokens)
+        counts[dev] = [r.reason.splitlines()[0] for r in ex.break_reasons]
+    assert counts["meta"] == [] and len(counts["cpu"]) == TINY["num_hidden_layers"]
+    assert all("disable()" in r for r in counts["cpu"]), counts["cpu"]
 
 
 

@@ -112,13 +112,13 @@ class Tokens:
                                  f"{(B, T)}")
             return attention_mask
         if attention_mask is None:
-            return cls.build([T] * B, B, T, None, None, device)
+            return cls.build([T] * B, B, T, None, None, cls._host_cu([T] * B).to(device))
         if attention_mask.shape != (B, T):
             raise ValueError(f"attention_mask: shape {tuple(attention_mask.shape)}, expected (B, T) = {(B, T)}")
         mask = attention_mask.bool()
         lengths = mask.sum(1).tolist()  # a device read on CUDA: the training loop passes Batch.tokens instead
         index = mask.reshape(-1).nonzero().squeeze(1) if sum(lengths) < B * T else None
-        return cls.build(lengths, B, T, mask if index is not None else None, index, device)
+        return cls.build(lengths, B, T, mask if index is not None else None, index, cls._host_cu(lengths).to(device))
 
     @classmethod
     def from_lengths(cls, lengths, mask: torch.Tensor | None, device: torch.device) -> "Tokens":
@@ -126,14 +126,29 @@ class Tokens:
         layout) and its (B, T) mask on `device`: the index is computed on the host and copied."""
         lengths = np.asarray(lengths, dtype=np.int64)
         B, T = (len(lengths), int(lengths.max())) if mask is None else tuple(mask.shape)
-        if int(lengths.sum()) == B * T:
-            return cls.build(lengths.tolist(), B, T, None, None, device)
-        flat = np.flatnonzero(np.arange(T)[None, :] < lengths[:, None])
-        index = torch.from_numpy(flat).to(device, non_blocking=device.type == "cuda")
-        return cls.build(lengths.tolist(), B, T, mask.bool(), index, device)
+        index, cu = cls.host_layout(lengths, T)
+        nb = device.type == "cuda"
+        return cls.build(lengths.tolist(), B, T, None if index is None else mask.bool(),
+                         None if index is None else index.to(device, non_blocking=nb), cu.to(device, non_blocking=nb))
+
+    @staticmethod
+    def host_layout(lengths, T: int) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """The layout's device tensors, computed on the host (CPU tensors, to be copied) from the
+        lengths of rows whose real tokens come first (`collate`'s layout): the (n,) index of the
+        real tokens (None when nothing is padded) and the (B + 1,) int32 cu_seqlens."""
+        lengths = np.asarray(lengths, dtype=np.int64)
+        cu = Tokens._host_cu(lengths)
+        if int(lengths.sum()) == len(lengths) * T:
+            return None, cu
+        return torch.from_numpy(np.flatnonzero(np.arange(T)[None, :] < lengths[:, None])), cu
+
+    @staticmethod
+    def _host_cu(lengths) -> torch.Tensor:
+        return torch.tensor([0, *itertools.accumulate(int(L) for L in lengths)], dtype=torch.int32)
 
     @classmethod
-    def build(cls, lengths: list[int], B: int, T: int, mask, index, device: torch.device) -> "Tokens":
+    def build(cls, lengths: list[int], B: int, T: int, mask, index, cu: torch.Tensor) -> "Tokens":
+        """From host lengths and the device tensors of the layout (cu_seqlens given: `host_layout`)."""
         groups, row = [], 0
         for L in lengths:  # run-length encoding: equal lengths side by side attend as one batch
             if groups and groups[-1][2] == L:
@@ -141,8 +156,6 @@ class Tokens:
             else:
                 groups.append((row, 1, L))
             row += L
-        cu = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32)
-        cu = cu.to(device, non_blocking=device.type == "cuda")
         return cls(B, T, mask, index, lengths, cu, groups)
 
     @property
@@ -446,7 +459,12 @@ class _FlashVarlen(torch.autograd.Function):
 
 def _flash_varlen_ok(qkv: torch.Tensor, D: int) -> bool:
     return (qkv.is_cuda and qkv.dtype in (torch.float16, torch.bfloat16) and D % 8 == 0 and D <= 256
-            and torch.cuda.get_device_capability(qkv.device) >= (8, 0))
+            and _sm80_or_newer(qkv.device.index))
+
+
+@torch.compiler.assume_constant_result  # a fact of the device: torch.compile reads it once, at trace time
+def _sm80_or_newer(index: int | None) -> bool:
+    return torch.cuda.get_device_capability(index) >= (8, 0)
 
 
 def padded_attention(qkv: torch.Tensor, tokens: Tokens, n_head: int, p: float) -> torch.Tensor:
@@ -468,21 +486,31 @@ def padded_attention(qkv: torch.Tensor, tokens: Tokens, n_head: int, p: float) -
     return tokens.unpad(y[:, :, :T].transpose(1, 2))
 
 
-@torch.compiler.disable  # a loop over sequences and host lengths: a graph break, not a recompile per batch
 def attention(qkv: torch.Tensor, tokens: Tokens, n_head: int, p: float, pack_mask: bool = False,
               reuse_mask: bool = False) -> torch.Tensor:
     """(n, 3H) fused Q/K/V rows -> (n, H) attention output, each token attending to the real tokens
     of its own sequence; `p` = attention dropout (0 outside training); `pack_mask`: on CPU, keep
     the dropout mask for backward as bits, not bytes; `reuse_mask` (with `pack_mask`): hold those
-    bits past a checkpoint, whose recomputation then takes them instead of drawing the mask again."""
+    bits past a checkpoint, whose recomputation then takes them instead of drawing the mask again.
+
+    Under torch.compile the GPU kernels trace into the graph (a layer compiles whole); the CPU
+    kernel is a graph break (`_cpu_attention`)."""
     n, H = qkv.shape[0], qkv.shape[1] // 3
     D = H // n_head
     if qkv.device.type == "cpu":
-        return _CpuAttention.apply(qkv, tokens.groups, n_head, p, pack_mask, pack_mask and reuse_mask)
+        return _cpu_attention(qkv, tokens.groups, n_head, p, pack_mask, pack_mask and reuse_mask)
     if tokens.index is not None and _flash_varlen_ok(qkv, D):
         q, k, v = (t.contiguous() for t in qkv.view(n, 3, n_head, D).unbind(1))  # 3 x (n, N, D)
-        return _FlashVarlen.apply(q, k, v, tokens.cu_seqlens, tokens.max_len, p).reshape(n, H)
+        # The longest sequence: a host int; traced, the padded length T, which bounds it (equal to it
+        # in collate's batches), as a symbol rather than a value per batch to recompile for.
+        max_len = tokens.T if torch.compiler.is_compiling() else tokens.max_len
+        return _FlashVarlen.apply(q, k, v, tokens.cu_seqlens, max_len, p).reshape(n, H)
     return padded_attention(qkv, tokens, n_head, p).reshape(n, H)
+
+
+@torch.compiler.disable  # a loop over runs of equal host lengths: a graph break, not a recompile per batch
+def _cpu_attention(qkv: torch.Tensor, groups, n_head: int, p: float, packed: bool, reuse: bool) -> torch.Tensor:
+    return _CpuAttention.apply(qkv, groups, n_head, p, packed, reuse)
 
 
 class BertEmbeddings(nn.Module):

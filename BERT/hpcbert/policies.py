@@ -285,8 +285,9 @@ def grad_scaler(precision: str, device: torch.device) -> torch.amp.GradScaler:
 
 
 # --compile auto, per device type: on only where it was measured faster than eager (benchmarks/
-# compare_hf.py compile) and exact (same losses, tests/test_trainer.py). Neither is yet: the encoder's
-# attention is a graph break (a loop over host lengths), and no GPU was measured; off until one is.
+# compare_hf.py compile) and exact (same losses, tests/test_trainer.py). Neither is yet: on CPU the
+# encoder's attention is a graph break in every layer (a loop over host lengths), measured 1.01x;
+# on a GPU the model traces whole (tests/test_unpad.py), not yet measured so; off until it is.
 COMPILE_AUTO = {"cpu": False, "cuda": False}
 
 
@@ -297,5 +298,5 @@ def resolve_compile(mode: str, device: torch.device) -> bool:
 
 def maybe_compile(model: nn.Module, enabled: bool) -> nn.Module:
     # dynamic=True: batches are padded to their longest sequence, so T varies from step to step
-    # (and the number of real tokens with it). Attention is a graph break (model.attention).
+    # (and the number of real tokens with it). On CPU attention is a graph break (model.attention).
     return torch.compile(model, dynamic=True) if enabled else model
