@@ -183,18 +183,18 @@ def to_device(tensors: list[torch.Tensor | None], device: torch.device, pack: bo
     if not pack:
         return [None if t is None else t.to(device) for t in tensors]
     flat = [None if t is None else t.contiguous().reshape(-1) for t in tensors]
+    nbytes = [0 if t is None else t.numel() * t.element_size() for t in flat]
     offsets, total = [], 0
-    for t in flat:
+    for n in nbytes:
         offsets.append(total)
-        if t is not None:
-            total += -(-t.numel() * t.element_size() // 16) * 16  # every part 16-byte aligned
+        total += -(-n // 16) * 16  # every part 16-byte aligned
     host = torch.empty(total, dtype=torch.uint8, pin_memory=device.type == "cuda")
-    for t, o in zip(flat, offsets):
-        if t is not None and t.numel():
-            host[o:o + t.numel() * t.element_size()].copy_(t.view(torch.uint8))
+    for t, o, n in zip(flat, offsets, nbytes):
+        if n:
+            host[o:o + n].copy_(t.view(torch.uint8))
     dev = host.to(device, non_blocking=True)
-    return [None if t is None else dev[o:o + t.numel() * t.element_size()].view(t.dtype).view(s.shape)
-            for t, s, o in zip(flat, tensors, offsets)]
+    return [None if t is None else dev[o:o + n].view(t.dtype).view(s.shape)
+            for t, s, o, n in zip(flat, tensors, offsets, nbytes)]
 
 
 def collate(feats: Features, indices, pad_to: int | None = None, pad_id: int = 0) -> Batch:
