@@ -1,5 +1,6 @@
-"""What the small one-process benchmark scripts (bench_head_rows.py, bench_model_ab.py) share: the
-JSON they write (the command that made it, date, machine, rows) and the README generated from it."""
+"""What the small one-process benchmark scripts (bench_head_rows.py, bench_model_ab.py,
+bench_norm_precision.py) share: the JSON they write (the command that made it, date, machine, rows)
+and the README generated from it."""
 
 from __future__ import annotations
 

@@ -18,6 +18,7 @@ over batches of earlier / current step time within a batch, beside each side's m
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import json
 import os
@@ -58,17 +59,25 @@ def load_model_file(rev: str, tmp: Path):
     return mod
 
 
-def measure(earlier, workload: str, steps: int, threads: int) -> dict:
-    head, B, (lo, hi), spread = WORKLOADS[workload]
+def build(mod, head: str):
+    """The workload's minilm-l6-shaped model from model file `mod`, seed 0, in training mode."""
+    torch.manual_seed(0)
     cfg = {**zoo.resolve("minilm-l6").config.to_dict(), "num_labels": 2}
-    sides = {}
-    for name, mod in (("current", current), ("earlier", earlier)):
-        torch.manual_seed(0)
-        cls = mod.BertForSequenceClassification if head == "classifier" else mod.BertForQuestionAnswering
-        sides[name] = cls(mod.BertConfig(**cfg)).train()
-    sides["earlier"].load_state_dict(sides["current"].state_dict())
+    cls = mod.BertForSequenceClassification if head == "classifier" else mod.BertForQuestionAnswering
+    return cls(mod.BertConfig(**cfg)).train()
+
+
+def measure(earlier, workload: str, steps: int, threads: int, sides: dict | None = None,
+            autocast=contextlib.nullcontext) -> dict:
+    """`sides`: {"current": (model file, model), "earlier": (model file, model)}, the same weights;
+    by default this checkout's model file and `earlier`'s. Each step runs under `autocast()`."""
+    head, B, (lo, hi), spread = WORKLOADS[workload]
+    if sides is None:
+        sides = {"current": (current, build(current, head)), "earlier": (earlier, build(earlier, head))}
+        sides["earlier"][1].load_state_dict(sides["current"][1].state_dict())
+    mods = {k: mod for k, (mod, _) in sides.items()}
+    sides = {k: m for k, (_, m) in sides.items()}
     opts = {k: torch.optim.AdamW(m.parameters(), lr=1e-5, fused=True) for k, m in sides.items()}
-    mods = {"current": current, "earlier": earlier}
     rng = np.random.default_rng(0)
 
     def batch():
@@ -84,12 +93,14 @@ def measure(earlier, workload: str, steps: int, threads: int) -> dict:
         m = sides[side]
         t0 = time.perf_counter()
         tokens = mods[side].Tokens.from_lengths(lengths, mask, ids.device)
-        if head == "classifier":
-            loss = torch.nn.functional.cross_entropy(m(ids, tokens, types), torch.zeros(B, dtype=torch.long))
-        else:
-            start, end = m(ids, tokens, types)
-            target = torch.zeros(B, dtype=torch.long)
-            loss = torch.nn.functional.cross_entropy(start, target) + torch.nn.functional.cross_entropy(end, target + 1)
+        with autocast():
+            if head == "classifier":
+                loss = torch.nn.functional.cross_entropy(m(ids, tokens, types).float(), torch.zeros(B, dtype=torch.long))
+            else:
+                start, end = m(ids, tokens, types)
+                target = torch.zeros(B, dtype=torch.long)
+                loss = (torch.nn.functional.cross_entropy(start.float(), target)
+                        + torch.nn.functional.cross_entropy(end.float(), target + 1))
         loss.backward()
         opts[side].step()
         opts[side].zero_grad(set_to_none=True)

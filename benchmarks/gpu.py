@@ -4,7 +4,7 @@ per checkpointing policy (largest batch, planned and probed, and sequences/s). A
 test; results/gpu/README.md is generated from the JSON files it writes (`render`).
 
     python benchmarks/gpu.py throughput --data-dir GLUE_DIR [--tokenizer DIR]   hpcbert vs Trainer, bert-base
-    python benchmarks/gpu.py mfu [--batches 256]                                 hpcbert alone, synthetic
+    python benchmarks/gpu.py mfu [--batches 256 --norm-precision low,fp32]       hpcbert alone, synthetic
     python benchmarks/gpu.py profile [--compile off]                             where mfu's step spends its time
     python benchmarks/gpu.py large [--memory 24GiB]                              bert-large 512, every policy
     python benchmarks/gpu.py render                                              results/gpu/README.md
@@ -36,6 +36,7 @@ import argparse
 import copy
 import functools
 import gc
+import itertools
 import os
 import re
 import statistics
@@ -145,19 +146,20 @@ def cmd_mfu(a) -> int:
     work = Path(a.work_dir)
     doc = C.header("gpu-mfu", a.threads)
     doc["settings"] = {"task": "synthetic", "model": MODEL, "max_seq_length": C.SEQ_LEN, "precision": "bf16",
-                       "steps": a.steps, "warmup_steps_excluded": a.warmup_excluded, "compile": a.compile}
+                       "steps": a.steps, "warmup_steps_excluded": a.warmup_excluded, "compile": a.compile,
+                       "norm_precision": a.norm_precision}
     doc["runs"] = []
     path = Path(a.results_dir) / "mfu.json"
-    for B in a.batches:
-        for comp in a.compile.split(","):
+    for B, comp, norms in itertools.product(a.batches, a.compile.split(","), a.norm_precision.split(",")):
             args = ["--task", "synthetic", "--model", MODEL, "--max-seq-length", str(C.SEQ_LEN), "--batch-size",
                     str(B), "--precision", "bf16", "--max-steps", str(a.steps), "--synthetic-train-size",
                     str(B * (a.steps + 1)), "--warmup-steps-excluded", str(a.warmup_excluded), "--no-do-eval",
-                    "--no-save-model", "--compile", comp, "--log-every", "1"]
+                    "--no-save-model", "--compile", comp, "--norm-precision", norms, "--log-every", "1"]
             if a.tokenizer:
                 args += ["--tokenizer", a.tokenizer]
-            s = C.hpcbert_run(f"gpu-mfu-b{B}-compile-{comp}", work, a.threads, args)
-            rec = {"batch": B, "compile": comp, "mfu": s.get("mfu"), "peak_flops": s.get("peak_flops"),
+            s = C.hpcbert_run(f"gpu-mfu-b{B}-compile-{comp}-norms-{norms}", work, a.threads, args)
+            rec = {"batch": B, "compile": comp, "norm_precision": s.get("norm_precision"), "mfu": s.get("mfu"),
+                   "peak_flops": s.get("peak_flops"),
                    "peak_flops_source": s.get("peak_flops_source"),
                    "model_flops_per_sec": s.get("model_flops_per_sec"),
                    "steady_sequences_per_sec": s["steady_sequences_per_sec"], "tokens_per_sec": s["tokens_per_sec"],
@@ -165,7 +167,8 @@ def cmd_mfu(a) -> int:
                    "steady_step_time_s": s["steady_step_time_s"], "wall_s": s["_wall_s"],
                    "attention": s.get("attention"), "argv": s["_argv"]}
             doc["runs"].append(rec)
-            say(f"mfu batch {B} compile {comp}: {rec['steady_sequences_per_sec']:.0f} seq/s, MFU {rec['mfu'] or 0:.1%}")
+            say(f"mfu batch {B} compile {comp} norms {norms}: {rec['steady_sequences_per_sec']:.0f} seq/s, "
+                f"MFU {rec['mfu'] or 0:.1%}")
             C.write_json(path, doc)
     print(render(Path(a.results_dir)))
     return 0
@@ -407,12 +410,15 @@ def render(results: Path = RESULTS) -> str:
                 "", f"- {_where(doc)}", ""]
     if mfu.is_file():
         doc = C.read_json(mfu)
-        rows = [[str(r["batch"]), r["compile"], f"{r['steady_sequences_per_sec']:.0f}", f"{r['tokens_per_sec']:.0f}",
+        # a run from before --norm-precision ran its LayerNorms in fp32
+        rows = [[str(r["batch"]), r["compile"], r.get("norm_precision") or "fp32",
+                 f"{r['steady_sequences_per_sec']:.0f}", f"{r['tokens_per_sec']:.0f}",
                  f"{r['model_flops_per_sec'] / 1e12:.0f}" if r["model_flops_per_sec"] else "—",
                  f"**{r['mfu']:.1%}**" if r["mfu"] else "—"] for r in doc["runs"]]
         s = doc["settings"]
         out += [f"## MFU: {s['model']}, synthetic task, length {s['max_seq_length']}, {s['precision']}", "",
-                markdown_grid(["batch", "--compile", "seq/s", "real tokens/s", "model TFLOP/s", "MFU"], rows).rstrip("\n"),
+                markdown_grid(["batch", "--compile", "--norm-precision", "seq/s", "real tokens/s", "model TFLOP/s", "MFU"],
+                              rows).rstrip("\n"),
                 "", f"Synthetic pairs of lengths 8 to {s['max_seq_length']} (hpcbert's `--task synthetic`); "
                 f"{s['steps']} steps, the first {s['warmup_steps_excluded']} left out; peak: "
                 f"{doc['runs'][0]['peak_flops_source'] if doc['runs'] else '—'}.", "", f"- {_where(doc)}", ""]
@@ -540,6 +546,7 @@ def main(argv: list[str] | None = None) -> int:
     m.add_argument("--steps", type=int, default=40)
     m.add_argument("--warmup-excluded", type=int, default=10)
     m.add_argument("--compile", default="off", help="comma-separated --compile values to run")
+    m.add_argument("--norm-precision", default="low,fp32", help="comma-separated --norm-precision values to run")
     f = sub.add_parser("profile")
     common(f)
     f.add_argument("--model", default=MODEL)

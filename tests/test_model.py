@@ -163,3 +163,75 @@ def test_flops_formula_matches_counted_matmul_flops_of_a_training_step(h, layers
     else:
         assert flops_per_sequence(cfg, seq_len, head_rows=1) * 2 + flops_per_sequence(cfg, seq_len // 2, 1) == \
             pytest.approx(counted, rel=0.02)
+
+
+# --- LayerNorm precision under autocast (--norm-precision) ------------------------------------------
+
+def test_low_precision_layer_norm_against_a_float64_reference():
+    """Under bf16 autocast a low-precision LayerNorm returns bf16: the float64 LayerNorm of its
+    input rounded to bf16, within bf16's rounding of the result; its gradients within 1% of
+    float64's. With low_precision off it follows autocast's rule: fp32 out, as nn.LayerNorm. Without
+    autocast the two are the same computation, bit for bit."""
+    from hpcbert.model import LayerNorm
+
+    g = torch.Generator().manual_seed(0)
+    ln = LayerNorm(64, eps=1e-12)
+    with torch.no_grad():
+        ln.weight.copy_(torch.randn(64, generator=g) * 0.5 + 1)
+        ln.bias.copy_(torch.randn(64, generator=g) * 0.3)
+    x = (torch.randn(8, 64, generator=g) * 3 + torch.randn(8, 1, generator=g) * 5).requires_grad_()
+    dy = torch.randn(8, 64, generator=g)
+
+    xd = x.detach().bfloat16().double().requires_grad_()
+    wd, bd = (t.detach().double().requires_grad_() for t in (ln.weight, ln.bias))
+    ref = torch.nn.functional.layer_norm(xd, (64,), wd, bd, 1e-12)
+    ref.backward(dy.double())
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = ln(x)
+    assert y.dtype == torch.bfloat16
+    torch.testing.assert_close(y.double(), ref.detach(), rtol=2 ** -8, atol=1e-6)
+    y.float().backward(dy)
+    for got, want in ((x.grad, xd.grad), (ln.weight.grad, wd.grad), (ln.bias.grad, bd.grad)):
+        assert ((got.double() - want).norm() / want.norm()).item() < 1e-2
+
+    ln.low_precision = False
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = ln(x)
+    assert y.dtype == torch.float32
+    assert torch.equal(y, torch.nn.functional.layer_norm(x, (64,), ln.weight, ln.bias, 1e-12))
+    plain = ln(x)
+    ln.low_precision = True
+    assert torch.equal(ln(x), plain)
+
+
+def test_the_residual_stream_is_in_the_layer_norms_precision():
+    """--norm-precision low under bf16: every encoder layer's output (the residual stream) is bf16;
+    fp32: fp32, as in Hugging Face's BERT under autocast. In an fp32 run the setting changes
+    nothing: the same loss and gradients, bit for bit."""
+    from hpcbert import policies
+
+    torch.manual_seed(0)
+    m = BertForSequenceClassification(BertConfig(**TINY)).train()
+    ids, mask, types = padded_batch(TINY["vocab_size"])
+    dtypes = []
+    for layer in m.bert.encoder.layer:
+        layer.register_forward_hook(lambda mod, args, out: dtypes.append(out.dtype))
+    for norms, dtype in (("low", torch.bfloat16), ("fp32", torch.float32)):
+        dtypes.clear()
+        policies.norm_precision(m, norms)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            m(ids, mask, types)
+        assert dtypes == [dtype] * TINY["num_hidden_layers"], norms
+
+    def loss_and_grads(norms):
+        policies.norm_precision(m, norms)
+        m.zero_grad()
+        torch.manual_seed(5)
+        loss = m(ids, mask, types).sum()
+        loss.backward()
+        return loss, [p.grad.clone() for p in m.parameters()]
+
+    (la, ga), (lb, gb) = loss_and_grads("low"), loss_and_grads("fp32")
+    assert torch.equal(la, lb) and all(torch.equal(a, b) for a, b in zip(ga, gb))
+    with pytest.raises(ValueError, match="norm_precision: 'half' is not one of low, fp32"):
+        policies.norm_precision(m, "half")

@@ -253,3 +253,17 @@ def test_offload_is_bounded_by_the_host_memory_its_pinned_activations_take():
     assert batch == 327 and "host-bound" in note and "100 MiB/seq" in note
     assert plan.offload_largest(200, 100 * mib, 64 * gib) == (200, "")  # the device is the tighter bound
     assert plan.offload_largest(200, 0, 64 * gib) == (200, "")          # nothing moved out
+
+
+def test_the_plan_measures_activations_at_the_runs_layer_norm_precision():
+    """Under bf16 a model whose LayerNorms and residual stream are bf16 (--norm-precision low) keeps
+    fewer bytes per sequence than one that keeps them in fp32, under every policy: the plan
+    measures the model as the run will run it. At fp32 the setting changes nothing."""
+    cfg = dict(task="synthetic", model="bert-tiny", max_seq_length=64)
+    for precision in ("bf16", "fp32"):
+        for policy in ("none", "selective", "alternate", "all"):
+            low, fp32 = (plan.measure_activations(RunConfig(**cfg, norm_precision=n), policy, torch.device("cpu"),
+                                                  precision)[0] for n in ("low", "fp32"))
+            assert (low < fp32) if precision == "bf16" else (low == fp32), (precision, policy, low, fp32)
+    with pytest.raises(ValueError, match="norm_precision: 'half' is not accepted; choose one of low, fp32"):
+        RunConfig(**cfg, norm_precision="half")

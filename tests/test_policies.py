@@ -27,10 +27,11 @@ def batch():
     return ids, mask, torch.zeros_like(ids), torch.tensor([0, 1, 1, 0])
 
 
-def loss_and_grads(m):
+def loss_and_grads(m, precision: str = "fp32"):
     ids, mask, types, labels = batch()
     torch.manual_seed(123)  # same dropout stream for every policy
-    loss = m.loss_sum(m(ids, mask, types), labels)
+    with policies.autocast(precision, torch.device("cpu")):
+        loss = m.loss_sum(m(ids, mask, types), labels)
     loss.backward()
     # Wrapped layers show their parameters under '_checkpoint_wrapped_module.' (state_dict keys do not).
     return loss.detach(), {n.replace("._checkpoint_wrapped_module", ""): p.grad.clone() for n, p in m.named_parameters()}
@@ -235,6 +236,67 @@ def test_same_gradients_as_none_with_trained_layer_norms(policy):
     for name, g in grads.items():
         rel = (g - ref[name]).norm() / ref[name].norm().clamp_min(1e-30)
         assert rel <= 1e-5, f"gradient of {name} differs by {rel:.2e} relative"
+
+
+def relative_distances(grads, ref) -> dict[str, float]:
+    return {n: ((g - ref[n]).norm() / ref[n].norm().clamp_min(1e-30)).item() for n, g in grads.items()}
+
+
+@pytest.mark.parametrize("norms", ["low", "fp32"])
+@pytest.mark.parametrize("trained", [False, True])
+@pytest.mark.parametrize("policy", ["selective", "alternate", "all", "every:3"])
+def test_bf16_policies_within_bf16_rounding_of_fp32(policy, trained, norms):
+    """bf16 autocast, dropout on, the LayerNorms and the residual stream in bf16 (--norm-precision
+    low, the default) or in fp32. Forward is the same computation under every policy: the same loss.
+    In backward a wrapped layer's last LayerNorm reads its normalised input back from its output
+    (model._NormKeepingOutput), bf16 under low, so its gradients are not none's bits; each must be
+    as close to the fp32 model's as none's bf16 gradient is, up to twice that distance or 2% (the
+    GPU tests' bound): a wrong dropout mask or a missed recomputation moves a gradient by its own
+    size."""
+    def model(p: str):
+        m = make(p)
+        if trained:
+            trained_layer_norms(m)
+        policies.norm_precision(m, norms)
+        return m
+
+    _, fp32 = loss_and_grads(model("none"), "fp32")
+    ref_loss, ref = loss_and_grads(model("none"), "bf16")
+    loss, grads = loss_and_grads(model(policy), "bf16")
+    assert loss == ref_loss
+    bound = {n: max(2 * d, 0.02) for n, d in relative_distances(ref, fp32).items()}
+    far = {n: (round(d, 4), round(bound[n], 4)) for n, d in relative_distances(grads, fp32).items() if d > bound[n]}
+    assert not far, f"{policy}: gradients farther from fp32's than the bound: {far}"
+
+
+@pytest.mark.parametrize("cast_weights", [False, True])
+def test_selective_recomputes_low_precision_layer_norm_outputs(monkeypatch, cast_weights):
+    """Under bf16 with low-precision LayerNorms, selective still keeps no LayerNorm output and no
+    GELU output: per layer a recipe for its GELU's output and its attention LayerNorm's output (the
+    feed-forward's input), and but in layer 0 (whose input is the embeddings' dropout output) for
+    its input, the LayerNorm output of the layer before; and the same gradients as none. cast_weights: the LayerNorms take weights cast to bf16, as
+    they do on a GPU (model.low_precision_norm_args; the CPU kernel takes them in fp32), which
+    autograd keeps as the cast, not the module's parameter, where selective looks up eps."""
+    from hpcbert import model as M
+
+    if cast_weights:
+        real = M.low_precision_norm_args
+        monkeypatch.setattr(M, "low_precision_norm_args",
+                            lambda x, shape, w, b, dt: real(x, shape, w.to(dt), b.to(dt), dt))
+    kept, pack = [], policies._SelectiveHooks.pack
+
+    def recording(self, t):
+        r = pack(self, t)
+        kept.append("recipe" if isinstance(r, policies._Recompute) else type(t.grad_fn).__name__)
+        return r
+
+    monkeypatch.setattr(policies._SelectiveHooks, "pack", recording)
+    _, ref = loss_and_grads(make("none"), "bf16")
+    assert kept == []
+    _, grads = loss_and_grads(make("selective"), "bf16")
+    assert kept.count("recipe") == 3 * CFG["num_hidden_layers"] - 1, kept
+    assert not {"NativeLayerNormBackward0", "GeluBackward0"} & set(kept), kept
+    assert max(relative_distances(grads, ref).values()) <= 1e-6
 
 
 def test_inactive_in_evaluation_and_no_grad(monkeypatch):

@@ -102,6 +102,25 @@ def test_grouping_merges_only_runs_that_differ_in_seed(tmp_path):
     assert t.loc["cpu-s1", "hardware"] == "CPU (AMD EPYC 7B13), 2 cores"
 
 
+def test_the_layer_norms_precision_is_part_of_a_runs_precision(tmp_path):
+    """bf16 runs with fp32 LayerNorms (--norm-precision fp32, or a run from before the option: no
+    norm_precision in its summary or config) are one group apart from those with bf16 LayerNorms;
+    in fp32 runs the option changes nothing, and they group."""
+    make_run(tmp_path, "low-s1", config={"precision": "bf16"})
+    make_run(tmp_path, "n32-s1", config={"precision": "bf16", "norm_precision": "fp32"})
+    old = make_run(tmp_path / "older-hpcbert", "n32-s2", config={"precision": "bf16", "seed": 2})
+    s, cfg = (json.loads((old / f).read_text()) for f in ("summary.json", "config.json"))
+    del s["norm_precision"], cfg["norm_precision"]
+    write_json(old / "summary.json", {**s, "schema_version": 4})
+    write_json(old / "config.json", cfg)
+    make_run(tmp_path, "f-s1", config={"precision": "fp32"})
+    make_run(tmp_path, "f-s2", config={"precision": "fp32", "norm_precision": "fp32", "seed": 2})
+    t = table_of(tmp_path).set_index("run")
+    assert sorted(t.index) == ["f", "low-s1", "n32"]
+    assert t.loc["low-s1", "precision"] == "bf16" and t.loc["n32", "precision"] == "bf16, fp32 LayerNorms"
+    assert t.loc["n32", "seeds"] == 2 and t.loc["f", "seeds"] == 2 and t.loc["f", "precision"] == "fp32"
+
+
 def test_dev_metric_columns_bare_for_dev_and_split_prefixed_otherwise(tmp_path):
     make_run(tmp_path / "a", "mrpc", accuracy=0.8, f1=0.9)
     assert {"accuracy", "f1"} <= set(table_of(tmp_path / "a").columns)
@@ -490,6 +509,7 @@ def _benchmark_script(name: str):
     ("bench_pretrain", "pretrain", "python benchmarks/bench_pretrain.py render"),
     ("bench_head_rows", "head_rows", "python benchmarks/bench_head_rows.py --render"),
     ("bench_model_ab", "model_ab", "python benchmarks/bench_model_ab.py --render"),
+    ("bench_norm_precision", "norm_precision", "python benchmarks/bench_norm_precision.py --render"),
     ("bench_step_overhead", "step_overhead", "python benchmarks/bench_step_overhead.py --render"),
     ("gpu", "gpu", "python benchmarks/gpu.py render"),
 ])

@@ -404,3 +404,14 @@ def test_compile_trains_the_same_losses_as_eager(tmp_path):
     eager = [m["loss"] for m in read_metrics(tmp_path / "eager")]
     assert read_summary(tmp_path / "compiled")["compile"] is True
     assert len(compiled) == 3 and compiled == pytest.approx(eager, rel=1e-5)
+
+
+def test_the_summary_says_in_what_precision_the_layer_norms_ran(tmp_path):
+    """--norm-precision is recorded as run: low or fp32 under bf16, fp32 in an fp32 run whatever was asked."""
+    def ran(name, **kw):
+        cfg = RunConfig(**{**TINY, **kw}, max_steps=1, do_eval=False, save_model=False, out=str(tmp_path / name))
+        return train(cfg)["norm_precision"], read_summary(tmp_path / name)["norm_precision"]
+
+    assert ran("bf16", precision="bf16") == ("low", "low")
+    assert ran("bf16-fp32", precision="bf16", norm_precision="fp32") == ("fp32", "fp32")
+    assert ran("fp32", precision="fp32", norm_precision="low") == ("fp32", "fp32")

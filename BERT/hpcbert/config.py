@@ -22,6 +22,7 @@ GRAD_CKPT_HELP = ("none | alternate (every second layer reruns its attention; th
                   "| offload (CUDA: saved "
                   "activations wait in pinned host memory) | auto (hpcbert plan's fastest that fits)")
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
+NORM_PRECISIONS = ("low", "fp32")
 OPTIMIZERS = ("adamw", "lamb")
 SAMPLERS = ("random", "length-grouped", "sequential")
 LR_SCALINGS = ("none", "linear", "sqrt")
@@ -186,6 +187,8 @@ class RunConfig:
     # --- policies applied from outside the model ---
     precision: str = "auto"
     """auto (bf16 where the device has native bf16, else fp32), fp32, bf16 (autocast) or fp16 (autocast + loss scaler)."""
+    norm_precision: str = "low"
+    """Under bf16/fp16: low (every LayerNorm takes and returns the autocast dtype, and so does the residual stream its outputs are: MosaicML Composer's LowPrecisionLayerNorm, as MosaicBERT trains; no fp32 casts around each LayerNorm, half the bytes in the residual sums, LayerNorms and the tensors they save; the kernel still normalises in fp32) or fp32 (autocast's own rule, as Hugging Face's BERT runs: LayerNorms and the residual stream in fp32). No effect at fp32."""
     grad_ckpt: str = "none"
     """Gradient checkpointing policy: none, alternate (every second layer reruns its attention in backward, the others keep what selective keeps), all, every:K, selective (every layer keeps what none keeps but its GELU outputs and the LayerNorm outputs a matmul reads, which backward recomputes: no matmul, attention or dropout draw runs again), offload (CUDA: saved activations wait in pinned host memory), or auto (hpcbert plan's fastest policy that fits this device's free memory)."""
     compile: str = "auto"
@@ -263,6 +266,7 @@ class RunConfig:
         self.task = self.task.lower()
         self.grad_ckpt = parse_grad_ckpt(self.grad_ckpt)
         _choice("precision", self.precision, PRECISIONS)
+        _choice("norm_precision", self.norm_precision, NORM_PRECISIONS)
         _choice("optimizer", self.optimizer, OPTIMIZERS)
         _choice("sampler", self.sampler, SAMPLERS)
         _choice("lr_scaling", self.lr_scaling, LR_SCALINGS)

@@ -513,13 +513,53 @@ def _cpu_attention(qkv: torch.Tensor, groups, n_head: int, p: float, packed: boo
     return _CpuAttention.apply(qkv, groups, n_head, p, packed, reuse)
 
 
+class LayerNorm(nn.LayerNorm):
+    """nn.LayerNorm (the same parameters, names and fp32 arithmetic inside the kernel) that under
+    bf16/fp16 autocast, with `low_precision` on, takes its input, weight and bias in autocast's
+    dtype and returns that dtype: MosaicML Composer's LowPrecisionLayerNorm, which MosaicBERT trains
+    with. Autocast's own rule (`low_precision` off, as Hugging Face's BERT runs) is fp32 in and out:
+    a cast of every LayerNorm's input up and of its output down again for the next matmul, and the
+    residual stream, which the LayerNorms' outputs are, in fp32. Low, it stays in autocast's dtype:
+    those casts are gone, and the residual sums, the LayerNorms and the tensors they save move half
+    the bytes. Without autocast (fp32 runs) both are the same. A precision policy sets it
+    (policies.norm_precision; --norm-precision)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.low_precision = True
+
+    def autocast_dtype(self, x: torch.Tensor) -> torch.dtype | None:
+        """The dtype this LayerNorm runs in at `x` when it leaves autocast's rule; None when it follows it."""
+        t = x.device.type
+        if self.low_precision and torch.amp.is_autocast_available(t) and torch.is_autocast_enabled(t):
+            return torch.get_autocast_dtype(t)
+        return None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dt = self.autocast_dtype(x)
+        if dt is None:
+            return super().forward(x)
+        with torch.autocast(x.device.type, enabled=False):
+            return F.layer_norm(*low_precision_norm_args(x, self.normalized_shape, self.weight, self.bias, dt), self.eps)
+
+
+def low_precision_norm_args(x: torch.Tensor, shape, weight, bias, dtype: torch.dtype):
+    """(x, normalized shape, weight, bias) for a LayerNorm kernel that returns `dtype`: x in `dtype`;
+    on CPU the weights as they are (its kernel takes fp32 weights with a bf16 input and keeps the
+    mean and 1/std it saves in fp32), elsewhere cast to `dtype` as Composer does."""
+    if x.device.type != "cpu":
+        weight = None if weight is None else weight.to(dtype)
+        bias = None if bias is None else bias.to(dtype)
+    return x.to(dtype), shape, weight, bias
+
+
 class BertEmbeddings(nn.Module):
     def __init__(self, c: BertConfig):
         super().__init__()
         self.word_embeddings = nn.Embedding(c.vocab_size, c.hidden_size, padding_idx=c.pad_token_id)
         self.position_embeddings = nn.Embedding(c.max_position_embeddings, c.hidden_size)
         self.token_type_embeddings = nn.Embedding(c.type_vocab_size, c.hidden_size)
-        self.LayerNorm = nn.LayerNorm(c.hidden_size, eps=c.layer_norm_eps)
+        self.LayerNorm = LayerNorm(c.hidden_size, eps=c.layer_norm_eps)
         self.p = c.hidden_dropout_prob
 
     def forward(self, input_ids: torch.Tensor, token_type_ids: torch.Tensor, tokens: Tokens) -> torch.Tensor:
@@ -572,14 +612,18 @@ class _NormKeepingOutput(torch.autograd.Function):
       next layer's first matmul keeps y itself)."""
 
     @staticmethod
-    def forward(ctx, z, residual, weight, bias, eps, p):
+    def forward(ctx, z, residual, weight, bias, eps, p, dtype=None):
         ctx.rng = torch.get_rng_state() if p else None  # before keep_mask draws its seed
+        ctx.z_dtype, ctx.residual_dtype = z.dtype, residual.dtype
         if p:
             z = _apply_keep(z, *keep_mask(tuple(z.shape), p, z.device))  # as _Dropout
-        y, _, rstd = torch.native_layer_norm(z + residual, weight.shape, weight, bias, eps)
+        args = (z + residual, weight.shape, weight, bias)
+        if dtype is not None:  # LayerNorm.low_precision under autocast: as LayerNorm.forward
+            args = low_precision_norm_args(*args, dtype)
+        y, _, rstd = torch.native_layer_norm(*args, eps)
         ctx.y, ctx.version = y.detach(), y._version  # detached: no reference cycle through y's grad_fn
         ctx.rstd, ctx.weight, ctx.bias = rstd, weight.detach(), bias.detach()
-        ctx.p, ctx.eps, ctx.z_dtype, ctx.z_shape = p, eps, z.dtype, z.shape
+        ctx.p, ctx.eps, ctx.z_shape = p, eps, z.shape
         return y
 
     @staticmethod
@@ -588,11 +632,12 @@ class _NormKeepingOutput(torch.autograd.Function):
         if y._version != ctx.version:
             raise RuntimeError("hpcbert: a layer's output was modified in place after the forward; its "
                                "LayerNorm backward reads it (gradient checkpointing: alternate, all, every:K)")
-        xhat = (y - ctx.bias) / torch.where(w >= 0, w.clamp_min(ctx.eps), w.clamp_max(-ctx.eps))
+        # In fp32 whatever y's dtype (a low-precision LayerNorm's y is bf16/fp16; the weights are fp32)
+        xhat = (y.float() - ctx.bias) / torch.where(w >= 0, w.clamp_min(ctx.eps), w.clamp_max(-ctx.eps))
         # The kernel with mean 0 and 1/std 1 reads xhat as the normalised input; its input gradient
         # is then the true one over 1/std.
         dx, dw, db = torch.ops.aten.native_layer_norm_backward(
-            dy, xhat, list(w.shape), torch.zeros_like(rstd), torch.ones_like(rstd), w, ctx.bias,
+            dy.float(), xhat, list(w.shape), torch.zeros_like(rstd), torch.ones_like(rstd), w, ctx.bias,
             [True, True, True])
         dx = dx.mul_(rstd)
         dz = dx.to(ctx.z_dtype)
@@ -601,14 +646,14 @@ class _NormKeepingOutput(torch.autograd.Function):
                 torch.set_rng_state(ctx.rng)
                 keep, scale = keep_mask(tuple(ctx.z_shape), ctx.p, dz.device)
             dz = _apply_keep(dz, keep, scale)
-        return dz, dx, dw, db, None, None
+        return dz, dx.to(ctx.residual_dtype), dw, db, None, None, None
 
 
 class BertSelfOutput(nn.Module):
     def __init__(self, c: BertConfig, inner: int):
         super().__init__()
         self.dense = nn.Linear(inner, c.hidden_size)
-        self.LayerNorm = nn.LayerNorm(c.hidden_size, eps=c.layer_norm_eps)
+        self.LayerNorm = LayerNorm(c.hidden_size, eps=c.layer_norm_eps)
         self.p = c.hidden_dropout_prob
         # Backward keeps the output, not the LayerNorm's input and the mask (_NormKeepingOutput, CPU,
         # training); a checkpointing policy sets it (policies.wrap_layers)
@@ -619,7 +664,7 @@ class BertSelfOutput(nn.Module):
         if (self.keep_output_only and self.training and torch.is_grad_enabled() and z.device.type == "cpu"
                 and not torch.compiler.is_compiling()):
             ln = self.LayerNorm
-            return _NormKeepingOutput.apply(z, residual, ln.weight, ln.bias, ln.eps, self.p)
+            return _NormKeepingOutput.apply(z, residual, ln.weight, ln.bias, ln.eps, self.p, ln.autocast_dtype(z))
         return self.LayerNorm(dropout(z, self.p, self.training) + residual)
 
 
@@ -811,7 +856,7 @@ class BertPredictionHeadTransform(nn.Module):
         super().__init__()
         self.dense = nn.Linear(c.hidden_size, c.hidden_size)
         self.approximate = "none" if c.hidden_act == "gelu" else "tanh"
-        self.LayerNorm = nn.LayerNorm(c.hidden_size, eps=c.layer_norm_eps)
+        self.LayerNorm = LayerNorm(c.hidden_size, eps=c.layer_norm_eps)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.LayerNorm(F.gelu(self.dense(x), approximate=self.approximate))

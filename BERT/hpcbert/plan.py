@@ -146,6 +146,7 @@ def measure_activations(cfg: RunConfig, policy: str, device, precision: str) -> 
     with FakeTensorMode(), torch.random.fork_rng(devices=[]):
         with torch.device(device):
             model = obj.build_model(mcfg).train()
+        policies.norm_precision(model, cfg.norm_precision)
         policies.wrap_layers(model, policy)
 
         def loss_of(b: int):

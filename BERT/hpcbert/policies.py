@@ -48,7 +48,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
 )
 from torch.utils.checkpoint import checkpoint
 
-from .config import parse_grad_ckpt
+from .config import NORM_PRECISIONS, parse_grad_ckpt
 
 POLICIES = ("none", "alternate", "all", "selective", "offload")  # the named ones; every:K besides
 
@@ -117,6 +117,9 @@ class _SelectiveHooks:
         self.layer_norms = layer_norms
 
     def _eps_of(self, weight: torch.Tensor) -> float | None:
+        node = weight.grad_fn
+        if type(node).__name__ == "ToCopyBackward0":  # a low-precision LayerNorm's cast of its weight (CUDA)
+            weight = getattr(node.next_functions[0][0], "variable", weight)
         key = weight.untyped_storage()._cdata
         if key not in self.eps:
             self.eps = {m.weight.untyped_storage()._cdata: m.eps for m in self.model().modules()
@@ -249,6 +252,20 @@ def device_has_native_bf16(device: torch.device) -> bool:
         except (AttributeError, RuntimeError):
             return False
     return False
+
+
+def norm_precision(model: nn.Module, which: str) -> int:
+    """Under bf16/fp16 autocast, every LayerNorm of `model` in autocast's dtype (low: Composer's
+    LowPrecisionLayerNorm, model.LayerNorm) or in fp32 as autocast's own rule has it (fp32: as
+    Hugging Face's BERT runs). Returns how many LayerNorms it set."""
+    from .model import LayerNorm
+
+    if which not in NORM_PRECISIONS:
+        raise ValueError(f"norm_precision: {which!r} is not one of {', '.join(NORM_PRECISIONS)}")
+    norms = [m for m in model.modules() if isinstance(m, LayerNorm)]
+    for m in norms:
+        m.low_precision = which == "low"
+    return len(norms)
 
 
 def resolve_precision(precision: str, device: torch.device) -> str:

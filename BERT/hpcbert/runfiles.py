@@ -16,11 +16,12 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 # Keys each schema version added; a summary of an older version reads with them as null (not measured).
 ADDED_IN = {2: ("tf32", "lr_horizon_steps", "lr_horizon_source", "nonfinite_grad_steps"),
             3: ("time_to_target_s", "steps_to_target", "tokens_to_target"),
-            4: ("host_allocator",)}
+            4: ("host_allocator",),
+            5: ("norm_precision",)}
 
 # summary.json keys and their meaning (units in the name where there is one). A figure that cannot
 # be measured on a device is null, never zero.
@@ -36,6 +37,7 @@ SUMMARY_KEYS: dict[str, str] = {
     "max_seq_length": "truncation length",
     "precision": "resolved precision actually used (fp32, bf16, fp16)",
     "tf32": "fp32 matmuls on TF32 tensor cores (CUDA, compute capability >= 8.0)",
+    "norm_precision": "LayerNorms and the residual stream: low (in the bf16/fp16 of autocast) or fp32 (autocast's rule; every fp32 run); null: a run from before --norm-precision, fp32",
     "compile": "torch.compile used",
     "host_allocator": "glibc-retain (freed host memory kept mapped for the next step: dist.tune_host_allocator) or system",
     "grad_ckpt": "gradient checkpointing policy",

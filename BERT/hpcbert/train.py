@@ -182,6 +182,7 @@ class Trainer:
         self.raw = self._build_model()
         self.precision = policies.resolve_precision(cfg.precision, d.device)
         self.tf32 = policies.enable_tf32(self.precision, d.device)
+        policies.norm_precision(self.raw, cfg.norm_precision)
         self.ckpt_layers = policies.apply_grad_ckpt(self.raw, cfg.grad_ckpt)
 
         # Batch arithmetic, stated once (batching.py): global = sum of per-rank batches x accumulation.
@@ -193,7 +194,7 @@ class Trainer:
             lambda m: log(d, m))
         self.plan = batching.plan(cfg, len(self.train_set), self.per_rank)
         log(d, f"{objective.name}: {self.plan.describe(len(self.train_set))}; precision {self.precision}"
-               f"{' (TF32 matmuls)' if self.tf32 else ''}; grad_ckpt {cfg.grad_ckpt} (layers {self.ckpt_layers}); "
+               f"{' (TF32 matmuls)' if self.tf32 else ''}{self._norm_note()}; grad_ckpt {cfg.grad_ckpt} (layers {self.ckpt_layers}); "
                f"{d.world_size} process(es) on {d.nodes} node(s), backend {d.backend or 'none'}, "
                f"{d.threads} thread(s) each")
 
@@ -331,6 +332,16 @@ class Trainer:
                     f"afresh)" + "".join(f"; {what}: {', '.join(names)}" for what, names in (
                         ("ignored, not in this model", rep.unexpected),
                         ("not in it, freshly initialised", rep.missing)) if names))
+
+    @property
+    def norm_precision(self) -> str:
+        """The LayerNorms' precision as run: --norm-precision under autocast; fp32 in an fp32 run."""
+        return "fp32" if self.precision == "fp32" else self.cfg.norm_precision
+
+    def _norm_note(self) -> str:
+        if self.precision == "fp32":
+            return ""
+        return f", LayerNorms in {self.precision if self.norm_precision == 'low' else 'fp32'} (--norm-precision {self.norm_precision})"
 
     def amp(self):
         """A fresh autocast context for the run's precision."""
@@ -739,6 +750,7 @@ class Trainer:
             "max_seq_length": cfg.max_seq_length,
             "precision": self.precision,
             "tf32": self.tf32,
+            "norm_precision": self.norm_precision,
             "host_allocator": d.host_allocator,
             "compile": self.compiled,
             "grad_ckpt": cfg.grad_ckpt,

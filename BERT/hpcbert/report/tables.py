@@ -57,7 +57,7 @@ COLUMN_DOCS = {
     "seeds": "runs in the row (runs that differ only in seed are one row)",
     "seed": "their seeds",
     "seq_len": "max_seq_length (truncation length)",
-    "precision": "precision actually used",
+    "precision": "precision actually used (bf16/fp16: autocast; \", fp32 LayerNorms\": the LayerNorms and residual stream in fp32, --norm-precision fp32 or a run from before it)",
     "compile": "torch.compile used",
     "hardware": "device name (on CPU: CPU model and cores)",
     "nodes_x_gpus": "nodes x devices (processes) per node",
@@ -103,6 +103,8 @@ def _group_key(run: dict) -> str:
     launch = {k: s[k] for k in ("task", "model", "max_seq_length", "precision", "compile", "grad_ckpt",
                                 "optimizer", "world_size", "nodes", "gpus_per_node",
                                 "per_device_batch_size", "grad_accum", "global_batch_size")}
+    launch["precision"] = precision_label(s)  # as run: norm_precision of the config says what was asked
+    cfg.pop("norm_precision", None)
     launch["hardware"] = hardware_label(s["hardware"])
     return json.dumps([cfg, launch], sort_keys=True, default=str)
 
@@ -122,7 +124,7 @@ def policy_rank(policy: str) -> float:
 def _sort_key(s: dict, label: str) -> tuple:
     return (s["task"], s["model"], s["max_seq_length"], hardware_label(s["hardware"]), s["world_size"],
             s["nodes"], policy_rank(s["grad_ckpt"]), s["grad_ckpt"], s["global_batch_size"],
-            str(s["per_device_batch_size"]), s["precision"], bool(s["compile"]), s["optimizer"], label)
+            str(s["per_device_batch_size"]), precision_label(s), bool(s["compile"]), s["optimizer"], label)
 
 
 def grouped(runs: Sequence[dict]) -> list[list[dict]]:
@@ -209,10 +211,18 @@ def _as_list(baseline: dict | Sequence[dict] | None) -> list[dict]:
     return [baseline] if isinstance(baseline, dict) else list(baseline)
 
 
+def precision_label(s: dict) -> str:
+    """A run's precision as the tables show it: bf16/fp16 with ", fp32 LayerNorms" where autocast ran
+    the LayerNorms and the residual stream in fp32 (--norm-precision fp32, and every run from
+    before that option, whose summary has no norm_precision)."""
+    p = s["precision"]
+    return p if p == "fp32" or s.get("norm_precision") == "low" else f"{p}, fp32 LayerNorms"
+
+
 def _policy_keys(s: dict) -> tuple[str, str]:
     """Keys of the 'none' run a policy is compared with: activation bytes per sequence do not depend
     on batch or world size; step time does."""
-    coarse = json.dumps([s["task"], s["model"], s["max_seq_length"], s["precision"], bool(s["compile"]),
+    coarse = json.dumps([s["task"], s["model"], s["max_seq_length"], precision_label(s), bool(s["compile"]),
                          hardware_label(s["hardware"]), s["num_layers"], s["hidden_size"]], default=str)
     fine = json.dumps([coarse, s["world_size"], s["nodes"], s["per_device_batch_size"], s["grad_accum"]],
                       default=str)
@@ -301,7 +311,7 @@ def build_table(runs: Sequence[dict], baseline: dict | Sequence[dict] | None = N
         row: dict[str, Any] = {
             "run": group_label(g), "seeds": len(g), "seed": ",".join(str(r["summary"]["seed"]) for r in g),
             "task": s["task"], "model": s["model"], "seq_len": s["max_seq_length"],
-            "precision": s["precision"], "compile": bool(s["compile"]),
+            "precision": precision_label(s), "compile": bool(s["compile"]),
             "hardware": hardware_label(s["hardware"]), "nodes_x_gpus": f"{s['nodes']}x{s['gpus_per_node']}",
             "world_size": s["world_size"], "per_device_batch": _batch_text(s["per_device_batch_size"]),
             "grad_accum": s["grad_accum"], "global_batch": s["global_batch_size"],
