@@ -36,9 +36,10 @@ part() {  # part SECONDS NAME COMMAND...
 PARTS=" ${PARTS:-throughput mfu large tests} "  # a later call can rerun some of them; profile is opt-in
 [[ $PARTS == *" throughput "* ]] && part "${T_THROUGHPUT:-110}" throughput \
     python3 benchmarks/gpu.py throughput --data-dir "$GLUE" "${tok[@]}" --results-dir "$OUT"
-# MFU eager, then compiled (MFU_COMPILE=off skips the compile; its first steps compile, left out)
-[[ $PARTS == *" mfu "* ]] && part "${T_MFU:-100}" mfu python3 benchmarks/gpu.py mfu "${tok[@]}" \
-    --compile "${MFU_COMPILE:-off,on}" --results-dir "$OUT"
+# MFU eager, then compiled (MFU_COMPILE=off skips the compile; its first steps compile, left out),
+# each with the LayerNorms in bf16 and in fp32 (MFU_NORMS=low: bf16 only)
+[[ $PARTS == *" mfu "* ]] && part "${T_MFU:-180}" mfu python3 benchmarks/gpu.py mfu "${tok[@]}" \
+    --compile "${MFU_COMPILE:-off,on}" --norm-precision "${MFU_NORMS:-low,fp32}" --results-dir "$OUT"
 # where the eager step's time goes (torch.profiler, a run of its own; PROFILE_COMPILE=off,on adds compiled)
 [[ $PARTS == *" profile "* ]] && part "${T_PROFILE:-60}" profile python3 benchmarks/gpu.py profile "${tok[@]}" \
     --compile "${PROFILE_COMPILE:-off}" --results-dir "$OUT"

@@ -92,3 +92,30 @@ def test_changed_settings_are_refused_naming_the_field(tmp_path):
     # Fields that do not change the maths may differ (here: log cadence).
     r = hpcbert(1, *args(run, 1)[:-2], "--out", run, "--resume", "auto", "--log-every", 3)
     assert r.returncode == 0, r.stderr
+
+
+def test_a_checkpoint_from_before_norm_precision_resumes_only_with_fp32_layer_norms(tmp_path):
+    """A bf16 run checkpointed by an hpcbert without --norm-precision ran its LayerNorms in fp32:
+    resuming it under the new default (low) would change its maths mid-run, so it is refused with
+    what to pass instead, and resumes with --norm-precision fp32."""
+    import hashlib
+
+    run = tmp_path / "run"
+    bf16 = [*args(run, 1), "--precision", "bf16"]
+    assert hpcbert(1, *bf16).returncode == 0
+    for later in ("step-00000008", "step-00000012"):  # as if stopped after step 4's checkpoint
+        shutil.rmtree(run / "checkpoints" / later)
+    ck = run / "checkpoints" / "step-00000004"
+    shared = torch.load(ck / "shared.pt", weights_only=False)
+    del shared["config"]["norm_precision"]  # as the earlier hpcbert wrote it
+    torch.save(shared, ck / "shared.pt")
+    data = (ck / "shared.pt").read_bytes()
+    manifest = json.loads((ck / "MANIFEST.json").read_text())
+    manifest["files"]["shared.pt"] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    (ck / "MANIFEST.json").write_text(json.dumps(manifest))
+    (run / "summary.json").unlink()
+    r = hpcbert(1, *bf16, "--resume", "auto")
+    assert r.returncode == 2 and "resume it with --norm-precision fp32" in r.stderr, r.stderr
+    r = hpcbert(1, *bf16, "--resume", "auto", "--norm-precision", "fp32")
+    assert r.returncode == 0, r.stderr
+    assert json.loads((run / "summary.json").read_text())["resumed_from_step"] == 4

@@ -319,8 +319,10 @@ class _CpuAttention(torch.autograd.Function):
         out, *saved = torch.ops.hpcbert.cpu_attention(qkv, flat, n_head, p, packed, bits)
         if bits is not None:
             saved.append(bits)
-        elif reuse and p:
-            ctx.mask_bits = saved[-1]  # held by this node, past a checkpoint that drops what it saves
+        if reuse and p:
+            # held by this node, past a checkpoint that drops what it saves, also where they came
+            # from another node (the same state draws the same mask), which may be freed before it
+            ctx.mask_bits = saved[-1]
             if key is not None:
                 _DRAWN_MASKS[key] = ctx
         ctx.save_for_backward(qkv, *saved)
@@ -515,9 +517,9 @@ def _cpu_attention(qkv: torch.Tensor, groups, n_head: int, p: float, packed: boo
 
 class LayerNorm(nn.LayerNorm):
     """nn.LayerNorm (the same parameters, names and fp32 arithmetic inside the kernel) that under
-    bf16/fp16 autocast, with `low_precision` on, takes its input, weight and bias in autocast's
-    dtype and returns that dtype: MosaicML Composer's LowPrecisionLayerNorm, which MosaicBERT trains
-    with. Autocast's own rule (`low_precision` off, as Hugging Face's BERT runs) is fp32 in and out:
+    bf16/fp16 autocast, with `low_precision` on, takes its input in autocast's dtype and returns
+    that dtype (its weights: low_precision_norm_args): MosaicML Composer's LowPrecisionLayerNorm,
+    which MosaicBERT trains with. Autocast's own rule (`low_precision` off, as Hugging Face's BERT runs) is fp32 in and out:
     a cast of every LayerNorm's input up and of its output down again for the next matmul, and the
     residual stream, which the LayerNorms' outputs are, in fp32. Low, it stays in autocast's dtype:
     those casts are gone, and the residual sums, the LayerNorms and the tensors they save move half
@@ -608,8 +610,13 @@ class _NormKeepingOutput(torch.autograd.Function):
       are its feed-forward's second matmul's inputs, and the recomputation stops there, before
       that matmul runs (torch.utils.checkpoint stops early once every saved tensor is back): a
       third of the layer's matmul work, a dropout, the residual sum and a LayerNorm are not redone.
-      Where the next layer is not checkpointed, y is kept in addition (under autocast; in fp32 the
-      next layer's first matmul keeps y itself)."""
+      Where the next layer is not checkpointed, y is kept in addition where that layer's first
+      matmul keeps a cast of it (autocast with fp32 LayerNorms), not where it keeps y itself (fp32,
+      or LayerNorms in autocast's dtype).
+
+    With a low-precision LayerNorm (`dtype`) y is bf16/fp16, and the normalised input read back from
+    it carries y's rounding, times |bias / weight| more where that is large: its gradients are within
+    bf16's rounding of fp32's as none's are (tests/test_policies.py), not none's bits."""
 
     @staticmethod
     def forward(ctx, z, residual, weight, bias, eps, p, dtype=None):

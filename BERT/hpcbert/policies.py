@@ -13,7 +13,10 @@ backward is the policy:
                              stops before the feed-forward's second matmul; so does a plain layer
                              before a wrapped one, instead of the LayerNorm's input and dropout
                              mask. Under `all` the output is the next layer's input, kept anyway;
-                             under every:K the plain layers' savings pay for it
+                             under every:K the plain layers' savings pay for it. On CPU a wrapped
+                             layer keeps its attention's dropout mask as bits (1/16 of the
+                             probabilities' bytes at bf16), which the recomputation takes instead
+                             of drawing it again
     alternate                layers 0, 2, 4, ... (the 2020 kit's choice, every:2's) are recomputed
                              from their input, but only their attention (Q/K/V, attention, output
                              projection, LayerNorm): they keep their feed-forward's tensors (a
@@ -205,11 +208,11 @@ def wrap_layers(model: nn.Module, policy: str) -> list[int]:
                 layers[i].attention.self.pack_dropout_mask = True
                 layers[i] = checkpoint_wrapper(layers[i], checkpoint_fn=plain)
     for i in chosen:
-        # alternate: the recomputation takes the attention's dropout mask from the forward's bits
-        # (1/16 of P's bytes at bf16) instead of drawing it again (a quarter of the layer's
-        # attention time on CPU)
-        layers[i].attention.self.pack_dropout_mask = policy in ("selective", "alternate")
-        layers[i].attention.self.reuse_dropout_mask = policy == "alternate"
+        # A recomputed attention (alternate, all, every:K) takes its dropout mask from the forward's
+        # bits (1/16 of P's bytes at bf16), held past the checkpoint, instead of drawing it again
+        # (a quarter of the layer's attention time on CPU; a GPU's flash kernel redraws it for free)
+        layers[i].attention.self.pack_dropout_mask = policy != "offload"
+        layers[i].attention.self.reuse_dropout_mask = policy not in ("selective", "offload")
         layers[i] = checkpoint_wrapper(layers[i], checkpoint_fn=fn)
     if policy == "all":
         model.bert.embeddings = checkpoint_wrapper(model.bert.embeddings, checkpoint_fn=fn)

@@ -624,6 +624,10 @@ class Trainer:
                                for k in changed)
             raise ValueError(f"resume: {ck.path} was written with other settings: {detail}; "
                              f"use another --out or --resume never")
+        if "norm_precision" not in shared["config"] and self.precision != "fp32" and cfg.norm_precision != "fp32":
+            # hpcbert before --norm-precision: autocast's rule, fp32 LayerNorms; a run continues as it began
+            raise ValueError(f"resume: {ck.path} was written before --norm-precision, by a run whose LayerNorms "
+                             f"were fp32; resume it with --norm-precision fp32, or use another --out or --resume never")
         if shared["data"] != self.data_fp:
             raise ValueError(f"resume: {ck.path} was trained on other token ids (vocabulary or training data "
                              f"changed); use another --out or --resume never")
