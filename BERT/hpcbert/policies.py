@@ -257,18 +257,17 @@ def device_has_native_bf16(device: torch.device) -> bool:
     return False
 
 
-def norm_precision(model: nn.Module, which: str) -> int:
+def norm_precision(model: nn.Module, which: str) -> None:
     """Under bf16/fp16 autocast, every LayerNorm of `model` in autocast's dtype (low: Composer's
     LowPrecisionLayerNorm, model.LayerNorm) or in fp32 as autocast's own rule has it (fp32: as
-    Hugging Face's BERT runs). Returns how many LayerNorms it set."""
+    Hugging Face's BERT runs)."""
     from .model import LayerNorm
 
     if which not in NORM_PRECISIONS:
         raise ValueError(f"norm_precision: {which!r} is not one of {', '.join(NORM_PRECISIONS)}")
-    norms = [m for m in model.modules() if isinstance(m, LayerNorm)]
-    for m in norms:
-        m.low_precision = which == "low"
-    return len(norms)
+    for m in model.modules():
+        if isinstance(m, LayerNorm):
+            m.low_precision = which == "low"
 
 
 def resolve_precision(precision: str, device: torch.device) -> str:
