@@ -177,7 +177,7 @@ def cmd_mfu(a) -> int:
 # The child of `profile`: `hpcbert train` with Trainer.step wrapped so that steps FIRST..FIRST+N-1
 # run under torch.profiler; writes each operator's (CPU-side event's) own device and host time.
 PROFILE_CHILD = r"""
-import json, sys, time, torch
+import json, os, sys, time, torch
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 from hpcbert import cli, train as T
@@ -192,11 +192,15 @@ def profiled(self, *a, **k):
     seen[0] += 1
     if i == first:
         sync()
+        if cuda and os.environ.get("HPCBERT_SYNC_DEBUG"):  # a warning where a profiled step makes the host wait
+            torch.cuda.set_sync_debug_mode("warn")
         held["prof"] = profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else []))
         held["prof"].__enter__()
         held["t0"] = time.perf_counter()
     r = step(self, *a, **k)
     if i == first + n - 1:
+        if cuda:
+            torch.cuda.set_sync_debug_mode(0)
         sync()
         wall = time.perf_counter() - held["t0"]
         held["prof"].__exit__(None, None, None)
