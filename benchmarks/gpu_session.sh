@@ -39,7 +39,8 @@ PARTS=" ${PARTS:-throughput mfu large tests} "  # a later call can rerun some of
 # MFU eager, then compiled (MFU_COMPILE=off skips the compile; its first steps compile, left out),
 # each with the LayerNorms in bf16 and in fp32 (MFU_NORMS=low: bf16 only)
 [[ $PARTS == *" mfu "* ]] && part "${T_MFU:-180}" mfu python3 benchmarks/gpu.py mfu "${tok[@]}" \
-    --compile "${MFU_COMPILE:-off,on}" --norm-precision "${MFU_NORMS:-low,fp32}" --results-dir "$OUT"
+    --compile "${MFU_COMPILE:-off,on}" --norm-precision "${MFU_NORMS:-low,fp32}" --batches "${MFU_BATCHES:-256}" \
+    --results-dir "$OUT"
 # where the eager step's time goes (torch.profiler, a run of its own; PROFILE_COMPILE=off,on adds compiled)
 [[ $PARTS == *" profile "* ]] && part "${T_PROFILE:-60}" profile python3 benchmarks/gpu.py profile "${tok[@]}" \
     --compile "${PROFILE_COMPILE:-off}" --results-dir "$OUT"
@@ -56,7 +57,7 @@ if [[ $PARTS == *" tests "* ]]; then
     each=(); python3 -c "import pytest_timeout" 2>/dev/null && each=(--timeout "${T_EACH_TEST:-120}")  # one hang fails one test
     export HPCBERT_FAILURES_AT_ONCE=1
     part "${T_TESTS:-240}" "pytest -m gpu" python3 -m pytest -m gpu -n 0 -p no:cacheprovider -v -rA --durations 0 \
-        "${each[@]}" tests/ > "$OUT/pytest-gpu.log" 2>&1
+        "${each[@]}" ${TEST_PATHS:-tests/} > "$OUT/pytest-gpu.log" 2>&1  # TEST_PATHS: files in the order to run
     tail -40 "$OUT/pytest-gpu.log"
 fi
 cat "$OUT/README.md"

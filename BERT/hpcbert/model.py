@@ -515,6 +515,18 @@ def _cpu_attention(qkv: torch.Tensor, groups, n_head: int, p: float, packed: boo
     return _CpuAttention.apply(qkv, groups, n_head, p, packed, reuse)
 
 
+# Device types with an autocast, asked once per type outside any trace: torch.compile of torch 2.11
+# (a GPU machine's) cannot trace torch.amp.is_autocast_available, and a graph break in every
+# LayerNorm left the compiled model in 2 x 25 pieces (slower than eager on an H200); it can trace
+# is_autocast_enabled and get_autocast_dtype, and a lookup in this table.
+_AUTOCAST_DEVICE_TYPES = {t: torch.amp.is_autocast_available(t) for t in ("cpu", "cuda", "xpu", "mps", "hpu", "meta")}
+
+
+def _has_autocast(device_type: str) -> bool:
+    ok = _AUTOCAST_DEVICE_TYPES.get(device_type)
+    return torch.amp.is_autocast_available(device_type) if ok is None else ok
+
+
 class LayerNorm(nn.LayerNorm):
     """nn.LayerNorm (the same parameters, names and fp32 arithmetic inside the kernel) that under
     bf16/fp16 autocast, with `low_precision` on, takes its input in autocast's dtype and returns
@@ -533,7 +545,7 @@ class LayerNorm(nn.LayerNorm):
     def autocast_dtype(self, x: torch.Tensor) -> torch.dtype | None:
         """The dtype this LayerNorm runs in at `x` when it leaves autocast's rule; None when it follows it."""
         t = x.device.type
-        if self.low_precision and torch.amp.is_autocast_available(t) and torch.is_autocast_enabled(t):
+        if self.low_precision and _has_autocast(t) and torch.is_autocast_enabled(t):
             return torch.get_autocast_dtype(t)
         return None
 
