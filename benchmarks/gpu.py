@@ -415,33 +415,42 @@ def render(results: Path = RESULTS) -> str:
     if mfu.is_file():
         doc = C.read_json(mfu)
         # a run from before --norm-precision ran its LayerNorms in fp32
-        rows = [[str(r["batch"]), r["compile"], r.get("norm_precision") or "fp32",
+        # a run measured by another command (another call, another commit) carries its own "source"
+        src = lambda r: r.get("source") or doc  # noqa: E731
+        rows = [[str(src(r)["machine"].get("git_commit") or "—")[:7], str(r["batch"]), r["compile"],
+                 r.get("norm_precision") or "fp32",
                  f"{r['steady_sequences_per_sec']:.0f}", f"{r['tokens_per_sec']:.0f}",
                  f"{r['model_flops_per_sec'] / 1e12:.0f}" if r["model_flops_per_sec"] else "—",
                  f"**{r['mfu']:.1%}**" if r["mfu"] else "—"] for r in doc["runs"]]
         s = doc["settings"]
+        sources = list({(src(r)["command"], src(r)["date"]): src(r) for r in doc["runs"]}.values()) or [doc]
         out += [f"## MFU: {s['model']}, synthetic task, length {s['max_seq_length']}, {s['precision']}", "",
-                markdown_grid(["batch", "--compile", "--norm-precision", "seq/s", "real tokens/s", "model TFLOP/s", "MFU"],
-                              rows).rstrip("\n"),
+                markdown_grid(["commit", "batch", "--compile", "--norm-precision", "seq/s", "real tokens/s",
+                               "model TFLOP/s", "MFU"], rows).rstrip("\n"),
                 "", f"Synthetic pairs of lengths 8 to {s['max_seq_length']} (hpcbert's `--task synthetic`); "
                 f"{s['steps']} steps, the first {s['warmup_steps_excluded']} left out; peak: "
-                f"{doc['runs'][0]['peak_flops_source'] if doc['runs'] else '—'}.", "", f"- {_where(doc)}", ""]
+                f"{doc['runs'][0]['peak_flops_source'] if doc['runs'] else '—'}.", "",
+                *(f"- {_where(d)}" for d in sources), ""]
     if prof.is_file():
         doc = C.read_json(prof)
         s = doc["settings"]
         groups = list(doc["runs"][0]["groups_ms"]) if doc["runs"] else []
-        rows = [[r["compile"], f"{r['step_ms']:.1f}", f"{r['device_busy_ms']:.1f} ({r['device_busy_ms'] / r['step_ms']:.0%})",
+        psrc = lambda r: r.get("source") or doc  # noqa: E731 - a run of another command carries its own
+        rows = [[str(psrc(r)["machine"].get("git_commit") or "—")[:7], r["compile"], f"{r['step_ms']:.1f}",
+                 f"{r['device_busy_ms']:.1f} ({r['device_busy_ms'] / r['step_ms']:.0%})",
                  *(f"{r['groups_ms'][g]:.1f} ({r['groups_ms'][g] / r['step_ms']:.0%})" for g in groups),
                  ", ".join(f"`{o['name'][:40]}` {o['device_ms_per_step']:.1f}" for o in r["top_ops"][:4])]
                 for r in doc["runs"]]
         out += [f"## Where a step goes: {s['model']}, synthetic task, length {s['max_seq_length']}, batch {s['batch']}, "
                 f"{s['precision']}", "",
-                markdown_grid(["--compile", "step ms", "device busy ms (share)", *(f"{g} ms" for g in groups),
+                markdown_grid(["commit", "--compile", "step ms", "device busy ms (share)", *(f"{g} ms" for g in groups),
                                "top operators, device ms per step"], rows).rstrip("\n"), "",
                 f"torch.profiler over {s['profiled_steps']} steps after the first {s['after_steps']} of the mfu "
                 "run's command (a run of its own: the profiler adds host time); each operator's own device time, "
                 "grouped by name (`gpu.PROFILE_GROUPS`). Device busy is their sum; the rest of the step is "
-                "time the device waited for the host.", "", f"- {_where(doc)}", ""]
+                "time the device waited for the host.", "",
+                *(f"- {_where(d)}" for d in ({(psrc(r)["command"], psrc(r)["date"]): psrc(r) for r in doc["runs"]}.values()
+                                    or [doc])), ""]
     if large.is_file():
         doc = C.read_json(large)
         s = doc["settings"]

@@ -99,6 +99,12 @@ def test_largest_batch_is_what_the_memory_holds():
         assert q.get(pp.policy).largest_batch == k
         q = plan.make_plan(CFG, memory_bytes=p.state_total + k * per_seq - 1, device="cpu", policies_=(pp.policy,))
         assert q.get(pp.policy).largest_batch == k - 1
+    # backward's workspace: one plain layer's bytes, twice where a layer recomputes its forward
+    # (every:K, alternate, all), once for selective (element-wise recomputation, one operation at a time)
+    w = plan.make_plan(CFG, memory_bytes=4 * 2**30, device="cpu", policies_=("none", "selective", "alternate", "all"))
+    one = w.get("none").workspace_bytes_per_sequence
+    assert one > 0 and w.get("selective").workspace_bytes_per_sequence == one
+    assert w.get("alternate").workspace_bytes_per_sequence == w.get("all").workspace_bytes_per_sequence == 2 * one
     # checkpointing everything fits more than nothing at all; recomputation is predicted to cost
     assert p.get("all").largest_batch > p.get("none").largest_batch
     # Every layer reruns its forward (1/3 of its training FLOPs), the first of bert-tiny's two without

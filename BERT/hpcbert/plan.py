@@ -10,8 +10,12 @@ fastest policy and batch, predicted before a run starts.
                    whole model built in PyTorch's FakeTensorMode: shapes and dtypes without memory
                    or compute, so bert-large at 512 is measured in a second on any machine
       workspace    what backward holds beside them, per sequence: the gradients in flight through
-                   one layer plus, where the layer recomputes, that layer's activations again: twice
-                   one plain layer's bytes
+                   one layer (one plain layer's bytes) plus, where a layer recomputes its forward
+                   (alternate, all, every:K), that layer's activations again: twice one plain
+                   layer's bytes. selective recomputes element-wise operations one at a time, not
+                   a layer: once (on an H200, bert-base at 512, backward's peak beyond the saved
+                   tensors was 4.0, 7.3 and 7.4 MiB per sequence for none, selective and alternate,
+                   one plain layer about 11)
     A fraction of the memory (5% on CUDA, for the allocator's fragmentation) is kept free.
     offload also keeps, per sequence, what it moves out (none's activations minus its own) in pinned
     host memory: its largest batch is also bounded by HOST_SHARE of the host's available memory.
@@ -213,7 +217,7 @@ def make_plan(cfg: RunConfig, memory_bytes: int | None = None, device=None,
             plans.append(PolicyPlan(p, None, None, 0, None, None, "CUDA only"))
             continue
         act = measured[p][0]
-        workspace = int(per_layer * (1 if p in ("none", "offload") else 2))
+        workspace = int(per_layer * (1 if p in ("none", "offload", "selective") else 2))
         largest = max(0, int(free // (act + workspace)))
         note = ""
         if p == "offload":
