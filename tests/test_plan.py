@@ -71,19 +71,25 @@ def _measure(policy: str) -> dict:
             "predicted": {"state": p.state_total, "activations": batch * p.get(policy).activation_bytes_per_sequence}}
 
 
-@pytest.mark.parametrize("policy", ["none", "selective", "alternate", "all"])
-def test_predicted_state_and_activations_within_5_percent_of_allocated(policy):
+def _in_own_process(call: str) -> dict:
+    """`call`, an expression on this module's functions with a JSON result, evaluated in a Python
+    process of its own: what it allocates (and anything a failure leaves) goes with it."""
     import json
     import os
     import subprocess
     import sys
 
-    malloc_in_use()  # skips here where glibc cannot measure
     here = os.path.dirname(os.path.abspath(__file__))
     r = subprocess.run([sys.executable, "-c", f"import json, sys; sys.path.insert(0, {here!r}); import test_plan; "
-                        f"print(json.dumps(test_plan._measure({policy!r})))"], capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr
-    got = json.loads(r.stdout.strip().splitlines()[-1])
+                        f"print(json.dumps(test_plan.{call}))"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-5000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("policy", ["none", "selective", "alternate", "all"])
+def test_predicted_state_and_activations_within_5_percent_of_allocated(policy):
+    malloc_in_use()  # skips here where glibc cannot measure
+    got = _in_own_process(f"_measure({policy!r})")
     measured, predicted = got["measured"], got["predicted"]
     for k in measured:
         assert predicted[k] == pytest.approx(measured[k], rel=0.05), (k, predicted, measured)
@@ -194,19 +200,10 @@ def test_parse_bytes():
     assert plan.parse_bytes("1000") == 1000
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("policy", ["none", "selective", "alternate", "all", "offload"])
-def test_predicted_largest_batch_against_probing_on_the_gpu(policy):
-    """A memory limit below the GPU's (set_per_process_memory_fraction); the largest batch whose
-    training steps fit, two in a row (forward, backward, optimizer step: the second beside AdamW's
-    moments; one step alone fitted 1.3-1.5x more on an H100), found by bisection, against the
-    plan's prediction for that limit.
-
-    offload keeps little on the device, so its prediction is bound by the host memory its pinned
-    activations take: the plan is made for 8 GiB of host memory (half of it for them), and the
-    probe stops a quarter past the prediction, which must fit (the device bound lies far beyond;
-    probing for it would pin most of the host's memory)."""
+def _probe_on_gpu(policy: str) -> dict:
+    """The plan's largest batch and the probed one for `policy`: run by the test below in a process
+    of its own (on an H200 a failed test's probe left 8 GiB allocated, and the tests after it ran
+    out of memory building their model)."""
     from hpcbert.batching import largest_that_fits
 
     dev = torch.device("cuda", torch.cuda.current_device())  # set_per_process_memory_fraction needs the index
@@ -248,6 +245,24 @@ def test_predicted_largest_batch_against_probing_on_the_gpu(policy):
         torch.cuda.set_per_process_memory_fraction(1.0, dev)
         model = None
         torch.cuda.empty_cache()
+    return {"predicted": predicted, "probed": probed}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("policy", ["none", "selective", "alternate", "all", "offload"])
+def test_predicted_largest_batch_against_probing_on_the_gpu(policy):
+    """A memory limit below the GPU's (set_per_process_memory_fraction); the largest batch whose
+    training steps fit, two in a row (forward, backward, optimizer step: the second beside AdamW's
+    moments; one step alone fitted 1.3-1.5x more on an H100), found by bisection, against the
+    plan's prediction for that limit.
+
+    offload keeps little on the device, so its prediction is bound by the host memory its pinned
+    activations take: the plan is made for 8 GiB of host memory (half of it for them), and the
+    probe stops a quarter past the prediction, which must fit (the device bound lies far beyond;
+    probing for it would pin most of the host's memory)."""
+    got = _in_own_process(f"_probe_on_gpu({policy!r})")
+    predicted, probed = got["predicted"], got["probed"]
     print(f"{policy}: predicted {predicted}, probed {probed}")
     assert predicted <= probed <= 1.25 * predicted + 1
 
