@@ -7,6 +7,7 @@ test; results/gpu/README.md is generated from the JSON files it writes (`render`
     python benchmarks/gpu.py mfu [--batches 256 --norm-precision low,fp32]       hpcbert alone, synthetic
     python benchmarks/gpu.py profile [--compile off]                             where mfu's step spends its time
     python benchmarks/gpu.py large [--memory 24GiB]                              bert-large 512, every policy
+    python benchmarks/gpu.py hostcost                                            host time per matmul call
     python benchmarks/gpu.py render                                              results/gpu/README.md
 
 throughput: bert-base (random weights, the published shape) at max length 128, bf16, MRPC, the same
@@ -22,6 +23,11 @@ around a few steps after the warm-up (Trainer.step wrapped in a child process): 
 device time, grouped into matmuls, attention, optimizer and clipping, and the rest (element-wise,
 LayerNorm, dropout, copies), beside the steps' wall time: what the device did not fill is host time.
 The profiled run is not the timed one (the profiler adds host time).
+
+hostcost: the host time of one matmul call (torch.mm and F.linear with bias, bf16, bert-base's
+feed-forward shape, into a preallocated output) while the device is kept busy, so that no call
+waits for it: the same row count every call against a new one every call (as an unpadded step's
+token count is), the median of a few rounds. The profile put ~60 us of host time on each matmul.
 
 large: one process; per policy a fresh copy of the model on the GPU under a memory cap
 (torch.cuda.set_per_process_memory_fraction), the largest batch whose two whole training steps in a
@@ -269,6 +275,48 @@ def cmd_profile(a) -> int:
     return 0
 
 
+def cmd_hostcost(a) -> int:
+    torch = need_cuda()
+    cuda = torch.cuda.is_available()
+    dev = torch.device("cuda" if cuda else "cpu")
+    doc = C.header("gpu-hostcost", a.threads)
+    H, inner, n, calls = 768, 3072, a.tokens, a.calls
+    doc["settings"] = {"in_features": H, "out_features": inner, "tokens": n, "calls": calls, "rounds": a.rounds,
+                       "dtype": "bf16"}
+    rows_max = n + 2 * calls * a.rounds + 1  # every "new" call takes a row count no call took before
+    g = torch.Generator(device=dev).manual_seed(0)
+    x = torch.randn(rows_max, H, device=dev, dtype=torch.bfloat16, generator=g)
+    w = torch.randn(inner, H, device=dev, dtype=torch.bfloat16, generator=g)
+    bias = torch.randn(inner, device=dev, dtype=torch.bfloat16, generator=g)
+    out = torch.empty(rows_max, inner, device=dev, dtype=torch.bfloat16)
+    ops = {"mm": lambda m: torch.mm(x[:m], w.t(), out=out[:m]),
+           "addmm (linear with bias)": lambda m: torch.addmm(bias, x[:m], w.t(), out=out[:m])}
+    fresh = itertools.count(n + 1)
+    rows = []
+    for name, op in ops.items():
+        for shapes in ("same", "new"):
+            per_call = []
+            for _ in range(a.rounds):
+                ms = [n] * calls if shapes == "same" else [next(fresh) for _ in range(calls)]
+                op(n)  # the same shape met before the timed calls
+                if cuda:
+                    torch.cuda.synchronize()
+                    torch.cuda._sleep(int(2e9))  # ~1 s of device work queued ahead: no call waits for the device
+                t0 = time.perf_counter()
+                for m in ms:
+                    op(m)
+                per_call.append((time.perf_counter() - t0) / calls)
+                if cuda:
+                    torch.cuda.synchronize()
+            rows.append({"op": name, "shapes": shapes, "host_us_per_call": 1e6 * statistics.median(per_call),
+                         "rounds_us": [1e6 * t for t in per_call]})
+            say(f"hostcost {name}, {shapes} rows: {rows[-1]['host_us_per_call']:.1f} us per call")
+    doc["runs"] = rows
+    C.write_json(Path(a.results_dir) / "hostcost.json", doc)
+    print(render(Path(a.results_dir)))
+    return 0
+
+
 def cmd_large(a) -> int:
     torch = need_cuda()
     from hpcbert import objectives, plan, policies
@@ -451,6 +499,19 @@ def render(results: Path = RESULTS) -> str:
                 "time the device waited for the host.", "",
                 *(f"- {_where(d)}" for d in ({(psrc(r)["command"], psrc(r)["date"]): psrc(r) for r in doc["runs"]}.values()
                                     or [doc])), ""]
+    hc = results / "hostcost.json"
+    if hc.is_file():
+        doc = C.read_json(hc)
+        s = doc["settings"]
+        rows = [[r["op"], r["shapes"], f"{r['host_us_per_call']:.1f}", C._fmt_list(r["rounds_us"], "{:.1f}")]
+                for r in doc["runs"]]
+        out += [f"## Host time per matmul call: ({s['tokens']}, {s['in_features']}) x ({s['in_features']}, "
+                f"{s['out_features']}), {s['dtype']}", "",
+                markdown_grid(["operator", "row count", "host us per call (median)", "per round"], rows).rstrip("\n"),
+                "", f"{s['calls']} calls a round, {s['rounds']} rounds, into a preallocated output, the device kept "
+                "busy ahead of them (no call waits for it); same: every call the row count met before, new: "
+                "every call a row count no call had before (an unpadded step's token count is new each step).",
+                "", f"- {_where(doc)}", ""]
     if large.is_file():
         doc = C.read_json(large)
         s = doc["settings"]
@@ -576,6 +637,12 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--steps", type=int, default=3)
     g.add_argument("--host-memory", default=None, help="host memory offload's plan is made for (default: the "
                    "host's available); its probe stops a little past that plan")
+    h = sub.add_parser("hostcost")
+    common(h)
+    h.add_argument("--tokens", type=int, default=17408, help="rows of the same-shape calls (bert-base at batch "
+                   "256 of lengths 8 to 128 holds about this many real tokens)")
+    h.add_argument("--calls", type=int, default=100)
+    h.add_argument("--rounds", type=int, default=5)
     r = sub.add_parser("render")
     r.add_argument("--results-dir", default=str(RESULTS))
     a = p.parse_args(argv)
@@ -596,7 +663,7 @@ def main(argv: list[str] | None = None) -> int:
         a.tokenizer = str(Path(a.tokenizer).resolve())
     Path(getattr(a, "results_dir")).mkdir(parents=True, exist_ok=True)
     return {"throughput": cmd_throughput, "mfu": cmd_mfu, "profile": cmd_profile, "large": cmd_large,
-            "render": cmd_render}[a.command](a)
+            "hostcost": cmd_hostcost, "render": cmd_render}[a.command](a)
 
 
 if __name__ == "__main__":

@@ -44,6 +44,8 @@ PARTS=" ${PARTS:-throughput mfu large tests} "  # a later call can rerun some of
 # where the eager step's time goes (torch.profiler, a run of its own; PROFILE_COMPILE=off,on adds compiled)
 [[ $PARTS == *" profile "* ]] && part "${T_PROFILE:-60}" profile python3 benchmarks/gpu.py profile "${tok[@]}" \
     --compile "${PROFILE_COMPILE:-off}" --results-dir "$OUT"
+# host time per matmul call, a row count met before against a new one (opt-in, ~20 s)
+[[ $PARTS == *" hostcost "* ]] && part "${T_HOSTCOST:-60}" hostcost python3 benchmarks/gpu.py hostcost --results-dir "$OUT"
 # offload's plan and probe for 8 GiB of host memory: each probe pins its batch's activations anew
 # (at 32 GiB, offload's probe of bert-large alone ran past 110 s on an H200)
 [[ $PARTS == *" large "* ]] && part "${T_LARGE:-120}" large python3 benchmarks/gpu.py large \
