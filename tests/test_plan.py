@@ -96,6 +96,47 @@ def test_predicted_state_and_activations_within_5_percent_of_allocated(policy):
     assert sum(predicted.values()) == pytest.approx(sum(measured.values()), rel=0.05)
 
 
+@pytest.mark.parametrize("policy", ["none", "selective", "alternate", "all"])
+def test_workspace_covers_what_backward_holds_beyond_the_saved_tensors(policy):
+    """The plan's workspace per sequence against backward's peak beyond the saved tensors, counted
+    independently: every storage an operation creates during forward and backward, alive after each
+    operation (bert-mini, length 128, bf16; per sequence: batch 64 minus batch 32, which cancels the
+    parameters' gradients). One plain layer's bytes covers none and selective (selective recomputes
+    element-wise operations, not a layer), two the policies that recompute a layer's forward."""
+    from hpcbert import meters
+
+    class Peak(meters._StoragesCreated):
+        peak = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = super().__torch_dispatch__(func, types, args, kwargs)
+            self.peak = max(self.peak, self.alive_bytes())
+            return out
+
+    cfg = RunConfig(task="synthetic", model="bert-mini", max_seq_length=128, precision="bf16")
+    cpu = torch.device("cpu")
+    obj, mcfg = objectives.get(cfg), plan._model_config(cfg)
+    torch.manual_seed(0)
+    model = obj.build_model(mcfg).train()
+    policies.norm_precision(model, cfg.norm_precision)
+    policies.apply_grad_ckpt(model, policy)
+    saved, peak = {}, {}
+    for b in (32, 64):
+        batch, norm = obj.example_batch(b, cfg.max_seq_length, mcfg.vocab_size)
+        with Peak(cpu) as p:
+            with policies.autocast("bf16", cpu):
+                loss = obj.loss(model, obj.forward(model, batch), batch, norm)
+            saved[b] = p.alive_bytes()
+            loss.backward()
+        peak[b] = p.peak
+        model.zero_grad(set_to_none=True)
+        del loss
+    beyond = (peak[64] - peak[32] - (saved[64] - saved[32])) / 32
+    planned = plan.make_plan(cfg, 2**34, cpu, (policy,)).get(policy)
+    assert planned.activation_bytes_per_sequence == pytest.approx((saved[64] - saved[32]) / 32, rel=0.01)
+    assert 0 < beyond <= planned.workspace_bytes_per_sequence, (beyond, planned.workspace_bytes_per_sequence)
+
+
 def test_largest_batch_is_what_the_memory_holds():
     p = plan.make_plan(CFG, memory_bytes=4 * 2**30, device="cpu", policies_=("none", "all"))
     for pp in p.policies:

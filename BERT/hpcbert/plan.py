@@ -15,7 +15,7 @@ fastest policy and batch, predicted before a run starts.
                    layer's bytes. selective recomputes element-wise operations one at a time, not
                    a layer: once (on an H200, bert-base at 512, backward's peak beyond the saved
                    tensors was 4.0, 7.3 and 7.4 MiB per sequence for none, selective and alternate,
-                   one plain layer about 11)
+                   one plain layer about 11; on CPU, bert-mini at 128: tests/test_plan.py)
     A fraction of the memory (5% on CUDA, for the allocator's fragmentation) is kept free.
     offload also keeps, per sequence, what it moves out (none's activations minus its own) in pinned
     host memory: its largest batch is also bounded by HOST_SHARE of the host's available memory.
