@@ -5,6 +5,7 @@ test; results/gpu/README.md is generated from the JSON files it writes (`render`
 
     python benchmarks/gpu.py throughput --data-dir GLUE_DIR [--tokenizer DIR]   hpcbert vs Trainer, bert-base
     python benchmarks/gpu.py mfu [--batches 256 --norm-precision low,fp32]       hpcbert alone, synthetic
+    python benchmarks/gpu.py mfu --task mlm --data-dir PREPARED                 hpcbert alone, pre-training
     python benchmarks/gpu.py profile [--compile off]                             where mfu's step spends its time
     python benchmarks/gpu.py large [--memory 24GiB]                              bert-large 512, every policy
     python benchmarks/gpu.py hostcost                                            host time per matmul call
@@ -18,7 +19,13 @@ MFU counts the model FLOPs of the real tokens (hpcbert.model.batch_flops) agains
 data-sheet bf16 peak; on equal batches the Trainer does the same FLOPs per step, so its MFU is
 hpcbert's divided by the ratio.
 
-profile: the mfu run's command (`hpcbert train`, bert-base, synthetic, batch 256) with torch.profiler
+mfu: `hpcbert train` alone, bert-base at length 128, bf16, per batch, --compile and --norm-precision.
+Two workloads: --task synthetic (mfu.json), pairs of lengths 8 to 128, about 65 real tokens a
+sequence, what a GLUE fine-tuning batch holds; --task mlm (mfu-mlm.json), masked-LM pre-training on
+`hpcbert prepare-pretraining`'s output, whole lines packed into sequences of up to 128 tokens, the
+phase-1 workload MFU figures of BERT are usually quoted for.
+
+profile: the mfu run's command (`hpcbert train`, bert-base, batch 256, --task as mfu's) with torch.profiler
 around a few steps after the warm-up (Trainer.step wrapped in a child process): each operator's own
 device time, grouped into matmuls, attention, optimizer and clipping, and the rest (element-wise,
 LayerNorm, dropout, copies), beside the steps' wall time: what the device did not fill is host time.
@@ -75,7 +82,7 @@ def cmd_throughput(a) -> int:
     glue, work = C.glue_root(a.data_dir, a.task), Path(a.work_dir)
     batches = a.batches
     doc = C.header("gpu-throughput", a.threads)
-    doc["settings"] = {"task": a.task, "model": MODEL, "max_seq_length": C.SEQ_LEN, "precision": "bf16",
+    doc["settings"] = {"task": a.task, "model": a.model, "max_seq_length": C.SEQ_LEN, "precision": "bf16",
                        "batches": batches, "steps": a.steps, "warmup_steps_excluded": a.warmup_excluded,
                        "repeats": a.repeats, "seed": C.SEED, "hf_optim": a.hf_optim}
     doc["runs"] = []
@@ -147,23 +154,48 @@ def _new_length_line(doc: dict) -> str:
             "length its run met for the first time.")
 
 
+MFU_FILES = {"synthetic": "mfu.json", "mlm": "mfu-mlm.json"}  # mfu and profile --task: where their runs go
+PROFILE_FILES = {"synthetic": "profile.json", "mlm": "profile-mlm.json"}
+
+
+def task_args(a, batch: int, steps: int) -> list[str]:
+    """`hpcbert train`'s task and data options for --task (synthetic: enough pairs for the steps)."""
+    if a.task == "mlm":
+        return ["--task", "mlm", "--data-dir", str(Path(a.data_dir).resolve())]
+    return ["--task", "synthetic", "--synthetic-train-size", str(batch * (steps + 1))]
+
+
+def pretraining_data(data_dir: str) -> dict:
+    """What an `mfu --task mlm` run trained on, from the prepared folder's metadata.json."""
+    path = Path(data_dir) / "metadata.json"
+    if not path.is_file():
+        sys.exit(f"gpu.py mfu --task mlm: {path}: not found; --data-dir takes the output of "
+                 "`hpcbert prepare-pretraining` (benchmarks/gpu_session.sh prepares one with PRETRAIN=FILES)")
+    meta = C.read_json(path)
+    train = meta["splits"]["train"]
+    return {"dir": Path(data_dir).name, "sources": [Path(src["path"]).name for src in meta["sources"]],
+            "documents": train["documents"], "tokens": train["tokens"], "max_seq_length": meta["max_seq_length"],
+            "tokenizer_sha256": meta["tokenizer"]["sha256"]}
+
+
 def cmd_mfu(a) -> int:
     need_cuda()
     work = Path(a.work_dir)
     doc = C.header("gpu-mfu", a.threads)
-    doc["settings"] = {"task": "synthetic", "model": MODEL, "max_seq_length": C.SEQ_LEN, "precision": "bf16",
+    doc["settings"] = {"task": a.task, "model": a.model, "max_seq_length": C.SEQ_LEN, "precision": "bf16",
                        "steps": a.steps, "warmup_steps_excluded": a.warmup_excluded, "compile": a.compile,
                        "norm_precision": a.norm_precision}
+    if a.task == "mlm":
+        doc["settings"]["data"] = pretraining_data(a.data_dir)
     doc["runs"] = []
-    path = Path(a.results_dir) / "mfu.json"
+    path = Path(a.results_dir) / MFU_FILES[a.task]
     for B, comp, norms in itertools.product(a.batches, a.compile.split(","), a.norm_precision.split(",")):
-            args = ["--task", "synthetic", "--model", MODEL, "--max-seq-length", str(C.SEQ_LEN), "--batch-size",
-                    str(B), "--precision", "bf16", "--max-steps", str(a.steps), "--synthetic-train-size",
-                    str(B * (a.steps + 1)), "--warmup-steps-excluded", str(a.warmup_excluded), "--no-do-eval",
+            args = [*task_args(a, B, a.steps), "--model", a.model, "--max-seq-length", str(C.SEQ_LEN), "--batch-size",
+                    str(B), "--precision", "bf16", "--max-steps", str(a.steps), "--warmup-steps-excluded", str(a.warmup_excluded), "--no-do-eval",
                     "--no-save-model", "--compile", comp, "--norm-precision", norms, "--log-every", "1"]
             if a.tokenizer:
                 args += ["--tokenizer", a.tokenizer]
-            s = C.hpcbert_run(f"gpu-mfu-b{B}-compile-{comp}-norms-{norms}", work, a.threads, args)
+            s = C.hpcbert_run(f"gpu-mfu-{a.task}-b{B}-compile-{comp}-norms-{norms}", work, a.threads, args)
             rec = {"batch": B, "compile": comp, "norm_precision": s.get("norm_precision"), "mfu": s.get("mfu"),
                    "peak_flops": s.get("peak_flops"),
                    "peak_flops_source": s.get("peak_flops_source"),
@@ -242,23 +274,25 @@ def cmd_profile(a) -> int:
     need_cuda()
     work = Path(a.work_dir)
     doc = C.header("gpu-profile", a.threads)
-    doc["settings"] = {"task": "synthetic", "model": a.model, "max_seq_length": C.SEQ_LEN, "precision": "bf16",
+    doc["settings"] = {"task": a.task, "model": a.model, "max_seq_length": C.SEQ_LEN, "precision": "bf16",
                        "batch": a.batch, "profiled_steps": a.steps, "after_steps": a.after}
+    if a.task == "mlm":
+        doc["settings"]["data"] = pretraining_data(a.data_dir)
     doc["runs"] = []
-    path = Path(a.results_dir) / "profile.json"
+    path = Path(a.results_dir) / PROFILE_FILES[a.task]
     for comp in a.compile.split(","):
         total = a.after + a.steps + 2
-        args = ["train", "--task", "synthetic", "--model", a.model, "--max-seq-length", str(C.SEQ_LEN),
+        args = ["train", *task_args(a, a.batch, total), "--model", a.model, "--max-seq-length", str(C.SEQ_LEN),
                 "--batch-size", str(a.batch), "--precision", "bf16", "--max-steps", str(total),
-                "--synthetic-train-size", str(a.batch * (total + 1)), "--no-do-eval", "--no-save-model",
+                "--no-do-eval", "--no-save-model",
                 "--compile", comp, "--log-every", "1", "--threads", str(a.threads)]
         if a.tokenizer:
             args += ["--tokenizer", a.tokenizer]
-        out = C.fresh_dir(work / "profile" / f"compile-{comp}")
-        raw = work / "profile" / f"ops-compile-{comp}.json"
+        out = C.fresh_dir(work / "profile" / f"{a.task}-compile-{comp}")
+        raw = work / "profile" / f"ops-{a.task}-compile-{comp}.json"
         args += ["--out", str(out)]
         C.run_logged([sys.executable, "-c", PROFILE_CHILD, str(a.after), str(a.steps), str(raw), *args],
-                     work / "logs" / f"profile-compile-{comp}.log", a.threads)
+                     work / "logs" / f"profile-{a.task}-compile-{comp}.log", a.threads)
         prof = C.read_json(raw)
         key = "self_device_us" if any(o["self_device_us"] for o in prof["ops"]) else "self_cpu_us"  # CPU smoke runs
         ops = sorted(prof["ops"], key=lambda o: -o[key])
@@ -448,11 +482,15 @@ def _where_lines(doc: dict) -> list[str]:
     return [f"- {_where(d)}" for d in (found.values() or [doc])]
 
 
+def _workload(settings: dict) -> str:
+    return "masked-LM pre-training" if settings.get("task") == "mlm" else "synthetic task"
+
+
 def render(results: Path = RESULTS) -> str:
     from hpcbert.report import markdown_grid
     out = ["# hpcbert on a GPU", "", "Generated by `python benchmarks/gpu.py render` from the JSON files here; every "
            "figure comes from the command listed under its table.", ""]
-    tp, mfu, prof, large = (results / f for f in ("throughput.json", "mfu.json", "profile.json", "large.json"))
+    tp, large = results / "throughput.json", results / "large.json"
     if tp.is_file():
         doc = C.read_json(tp)
         s = doc["settings"]
@@ -474,24 +512,41 @@ def render(results: Path = RESULTS) -> str:
                 f"the Trainer's slow steps: {_new_length_line(doc)} A whole fine-tuning run pays those too, but "
                 "less per step as lengths repeat.",
                 "", f"- {_where(doc)}", ""]
-    if mfu.is_file():
-        doc = C.read_json(mfu)
+    for task, name in MFU_FILES.items():
+        if not (results / name).is_file():
+            continue
+        doc = C.read_json(results / name)
         # a run from before --norm-precision ran its LayerNorms in fp32
         rows = [[_run_commit(doc, r), str(r["batch"]), r["compile"],
                  r.get("norm_precision") or "fp32",
                  f"{r['steady_sequences_per_sec']:.0f}", f"{r['tokens_per_sec']:.0f}",
+                 f"{r['tokens_per_sec'] / r['steady_sequences_per_sec']:.1f}",
                  f"{r['model_flops_per_sec'] / 1e12:.0f}" if r["model_flops_per_sec"] else "—",
                  f"**{r['mfu']:.1%}**" if r["mfu"] else "—"] for r in doc["runs"]]
         s = doc["settings"]
-        out += [f"## MFU: {s['model']}, synthetic task, length {s['max_seq_length']}, {s['precision']}", "",
+        if task == "mlm":
+            d = s["data"]
+            what = (f"{_workload(s)}, length {s['max_seq_length']}",
+                    f"Masked-LM pre-training (`--task mlm`) on `hpcbert prepare-pretraining`'s output of "
+                    f"{', '.join(d['sources'])} ({d['documents']:,} documents, {d['tokens']:,} tokens), whole lines "
+                    f"packed into sequences of up to {s['max_seq_length']} tokens, 15% of them masked. The model FLOPs "
+                    "are the encoder's on the real tokens, the last layer's output projection and feed-forward at the masked rows only "
+                    "(what it computes); the MLM head's decoder is not counted")
+        else:
+            what = (f"{_workload(s)}, length {s['max_seq_length']}",
+                    f"Synthetic pairs of lengths 8 to {s['max_seq_length']} (hpcbert's `--task synthetic`, a "
+                    "fine-tuning batch); the model FLOPs are the encoder's on the real tokens, the last layer's "
+                    "output projection and feed-forward at [CLS] only")
+        out += [f"## MFU: {s['model']}, {what[0]}, {s['precision']}", "",
                 markdown_grid(["commit", "batch", "--compile", "--norm-precision", "seq/s", "real tokens/s",
-                               "model TFLOP/s", "MFU"], rows).rstrip("\n"),
-                "", f"Synthetic pairs of lengths 8 to {s['max_seq_length']} (hpcbert's `--task synthetic`); "
-                f"{s['steps']} steps, the first {s['warmup_steps_excluded']} left out; peak: "
+                               "real tokens/seq", "model TFLOP/s", "MFU"], rows).rstrip("\n"),
+                "", f"{what[1]}. {s['steps']} steps, the first {s['warmup_steps_excluded']} left out; peak: "
                 f"{doc['runs'][0]['peak_flops_source'] if doc['runs'] else '—'}.", "",
                 *_where_lines(doc), ""]
-    if prof.is_file():
-        doc = C.read_json(prof)
+    for name in PROFILE_FILES.values():
+        if not (results / name).is_file():
+            continue
+        doc = C.read_json(results / name)
         s = doc["settings"]
         groups = list(doc["runs"][0]["groups_ms"]) if doc["runs"] else []
         rows = [[_run_commit(doc, r), r["compile"], f"{r['step_ms']:.1f}",
@@ -499,7 +554,7 @@ def render(results: Path = RESULTS) -> str:
                  *(f"{r['groups_ms'][g]:.1f} ({r['groups_ms'][g] / r['step_ms']:.0%})" for g in groups),
                  ", ".join(f"`{o['name'][:40]}` {o['device_ms_per_step']:.1f}" for o in r["top_ops"][:4])]
                 for r in doc["runs"]]
-        out += [f"## Where a step goes: {s['model']}, synthetic task, length {s['max_seq_length']}, batch {s['batch']}, "
+        out += [f"## Where a step goes: {s['model']}, {_workload(s)}, length {s['max_seq_length']}, batch {s['batch']}, "
                 f"{s['precision']}", "",
                 markdown_grid(["commit", "--compile", "step ms", "device busy ms (share)", *(f"{g} ms" for g in groups),
                                "top operators, device ms per step"], rows).rstrip("\n"), "",
@@ -608,6 +663,12 @@ def main(argv: list[str] | None = None) -> int:
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
 
+    def workload(sp):
+        sp.add_argument("--task", default="synthetic", choices=tuple(MFU_FILES),
+                        help="synthetic: pairs of lengths 8 to 128 (a fine-tuning batch); mlm: masked-LM pre-training "
+                        "on --data-dir (hpcbert prepare-pretraining's output), sequences packed to 128")
+        sp.add_argument("--data-dir", default=None, help="with --task mlm: prepared pre-training data")
+
     def common(sp):
         sp.add_argument("--results-dir", default=str(RESULTS))
         sp.add_argument("--work-dir", default=str(C.ROOT / "runs" / "gpu"))
@@ -625,11 +686,13 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--hf-optim", default=None, help="TrainingArguments.optim (default: the Trainer's)")
     m = sub.add_parser("mfu")
     common(m)
+    m.add_argument("--model", default=MODEL)
     m.add_argument("--batches", type=batch_list, default="256")
     m.add_argument("--steps", type=int, default=40)
     m.add_argument("--warmup-excluded", type=int, default=10)
     m.add_argument("--compile", default="off", help="comma-separated --compile values to run")
     m.add_argument("--norm-precision", default="low,fp32", help="comma-separated --norm-precision values to run")
+    workload(m)
     f = sub.add_parser("profile")
     common(f)
     f.add_argument("--model", default=MODEL)
@@ -637,6 +700,7 @@ def main(argv: list[str] | None = None) -> int:
     f.add_argument("--after", type=int, default=10, help="steps run before the profiled ones")
     f.add_argument("--steps", type=int, default=5, help="steps profiled")
     f.add_argument("--compile", default="off", help="comma-separated --compile values to run")
+    workload(f)
     g = sub.add_parser("large")
     common(g)
     g.add_argument("--model", default="bert-large")
@@ -668,6 +732,8 @@ def main(argv: list[str] | None = None) -> int:
             p.error("--host-" + str(e))
     if os.environ.get("HPCBERT_COMMIT"):  # a copy of the tree whose .git (if any) is not the commit
         C.HPCBERT_SRC.update(commit=os.environ["HPCBERT_COMMIT"], note="copy of commit")
+    if a.command in ("mfu", "profile") and (a.task == "mlm") != bool(a.data_dir):
+        p.error("--data-dir goes with --task mlm, and --task mlm needs it")
     if getattr(a, "tokenizer", None):
         a.tokenizer = str(Path(a.tokenizer).resolve())
     Path(getattr(a, "results_dir")).mkdir(parents=True, exist_ok=True)

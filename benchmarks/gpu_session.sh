@@ -41,9 +41,18 @@ PARTS=" ${PARTS:-throughput mfu large tests} "  # a later call can rerun some of
 [[ $PARTS == *" mfu "* ]] && part "${T_MFU:-180}" mfu python3 benchmarks/gpu.py mfu "${tok[@]}" \
     --compile "${MFU_COMPILE:-off,on}" --norm-precision "${MFU_NORMS:-low,fp32}" --batches "${MFU_BATCHES:-256}" \
     --results-dir "$OUT"
-# where the eager step's time goes (torch.profiler, a run of its own; PROFILE_COMPILE=off,on adds compiled)
+# MFU on masked-LM pre-training (PARTS=mfu-mlm): PRETRAIN_DATA is a folder hpcbert prepare-pretraining
+# wrote (the machine may have no raw text: prepare it beside the checkout and carry it)
+[[ $PARTS == *" mfu-mlm "* ]] && part "${T_MFU_MLM:-180}" mfu-mlm python3 benchmarks/gpu.py mfu "${tok[@]}" \
+    --task mlm --data-dir "${PRETRAIN_DATA:-.gpudata/pretrain}" \
+    --compile "${MFU_COMPILE:-off,on}" --norm-precision "${MFU_NORMS:-low}" --batches "${MFU_BATCHES:-256}" \
+    --results-dir "$OUT"
+# where the eager step's time goes (torch.profiler, a run of its own; PROFILE_COMPILE=off,on adds compiled;
+# PARTS=profile-mlm: the pre-training step's)
 [[ $PARTS == *" profile "* ]] && part "${T_PROFILE:-60}" profile python3 benchmarks/gpu.py profile "${tok[@]}" \
     --compile "${PROFILE_COMPILE:-off}" --results-dir "$OUT"
+[[ $PARTS == *" profile-mlm "* ]] && part "${T_PROFILE:-60}" profile-mlm python3 benchmarks/gpu.py profile "${tok[@]}" \
+    --task mlm --data-dir "${PRETRAIN_DATA:-.gpudata/pretrain}" --compile "${PROFILE_COMPILE:-off}" --results-dir "$OUT"
 # host time per matmul call, a row count met before against a new one (opt-in, ~20 s)
 [[ $PARTS == *" hostcost "* ]] && part "${T_HOSTCOST:-60}" hostcost python3 benchmarks/gpu.py hostcost --results-dir "$OUT"
 # offload's plan and probe for 8 GiB of host memory: each probe pins its batch's activations anew

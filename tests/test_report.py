@@ -664,7 +664,58 @@ def test_gpu_profile_groups_operators_and_its_child_profiles_the_loop(tmp_path, 
     assert gpu.main(["profile", "--model", "bert-tiny", "--batch", "4", "--after", "2", "--steps", "2",
                      "--threads", "1", "--results-dir", str(tmp_path / "r"), "--work-dir", str(tmp_path / "w")]) == 0
     rec = json.loads((tmp_path / "r" / "profile.json").read_text())["runs"][0]
-    names = {o["name"] for o in json.loads((tmp_path / "w" / "profile" / "ops-compile-off.json").read_text())["ops"]}
+    names = {o["name"] for o in json.loads((tmp_path / "w" / "profile" / "ops-synthetic-compile-off.json").read_text())["ops"]}
     assert {"aten::addmm", "aten::_fused_adamw_"} <= names
     assert rec["time_of"] == "self_cpu_us" and 0 < rec["device_busy_ms"] <= rec["step_ms"]
     assert rec["groups_ms"]["matmul"] > 0 and rec["groups_ms"]["optimizer and clipping"] > 0
+
+
+def test_gpu_mfu_on_pretraining_data_trains_mlm_and_renders_its_own_table(tmp_path, monkeypatch):
+    """gpu.py mfu and profile --task mlm, run on the CPU: `hpcbert train --task mlm` on a prepared
+    folder, records in mfu-mlm.json and profile-mlm.json (not the synthetic task's files), the
+    folder's token count as a count of its arrays gives it, real tokens per sequence within the
+    length, and sections of their own in the rendered README. --task mlm without --data-dir is a
+    usage error."""
+    from hpcbert.cli import main as hpcbert_main
+    from hpcbert.zoo import minilm_dir
+
+    try:
+        tok = minilm_dir()
+    except ValueError as e:
+        pytest.skip(str(e))
+    gpu = _benchmark_script("gpu")
+    words = "the river near a village where fishermen caught salmon and studied history".split()
+    rng = np.random.default_rng(0)
+    docs = ["\n".join(" ".join(rng.choice(words, rng.integers(5, 60))) + "." for _ in range(rng.integers(1, 6)))
+            for _ in range(80)]
+    (tmp_path / "corpus.txt").write_text("\n\n".join(docs) + "\n")
+    data = tmp_path / "prepared"
+    assert hpcbert_main(["prepare-pretraining", str(tmp_path / "corpus.txt"), "--tokenizer", str(tok),
+                         "--max-seq-length", "128", "--out", str(data), "--eval-docs", "2"]) == 0
+    tokens = sum(len(np.load(f)) for f in data.glob("train_*.tokens.npy"))
+
+    monkeypatch.setenv("HPCBERT_GPU_BENCH_ON_CPU", "1")
+    results = tmp_path / "r"
+    with pytest.raises(SystemExit) as e:
+        gpu.main(["mfu", "--task", "mlm", "--results-dir", str(results)])
+    assert e.value.code == 2
+    assert gpu.main(["mfu", "--task", "mlm", "--data-dir", str(data), "--model", "bert-tiny", "--tokenizer", str(tok),
+                     "--batches", "4", "--steps", "3", "--warmup-excluded", "1", "--compile", "off",
+                     "--norm-precision", "low", "--threads", "1", "--results-dir", str(results),
+                     "--work-dir", str(tmp_path / "w")]) == 0
+    assert not (results / "mfu.json").exists()
+    doc = json.loads((results / "mfu-mlm.json").read_text())
+    assert doc["settings"]["task"] == "mlm" and doc["settings"]["data"]["tokens"] == tokens
+    (run,) = doc["runs"]
+    argv = run["argv"]
+    assert argv[argv.index("--task") + 1] == "mlm" and argv[argv.index("--data-dir") + 1] == str(data.resolve())
+    assert 0 < run["tokens_per_sec"] / run["steady_sequences_per_sec"] <= 128
+    assert gpu.main(["profile", "--task", "mlm", "--data-dir", str(data), "--model", "bert-tiny", "--tokenizer",
+                     str(tok), "--batch", "4", "--after", "1", "--steps", "1", "--threads", "1",
+                     "--results-dir", str(results), "--work-dir", str(tmp_path / "w")]) == 0
+    assert not (results / "profile.json").exists()
+    prof = json.loads((results / "profile-mlm.json").read_text())["runs"][0]
+    assert prof["argv"][prof["argv"].index("--task") + 1] == "mlm" and prof["groups_ms"]["matmul"] > 0
+    text = gpu.render(results)
+    assert "## MFU: bert-tiny, masked-LM pre-training, length 128, bf16" in text and "synthetic task" not in text
+    assert "## Where a step goes: bert-tiny, masked-LM pre-training, length 128, batch 4" in text
