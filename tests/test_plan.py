@@ -96,45 +96,66 @@ def test_predicted_state_and_activations_within_5_percent_of_allocated(policy):
     assert sum(predicted.values()) == pytest.approx(sum(measured.values()), rel=0.05)
 
 
-@pytest.mark.parametrize("policy", ["none", "selective", "alternate", "all"])
-def test_workspace_covers_what_backward_holds_beyond_the_saved_tensors(policy):
-    """The plan's workspace per sequence against backward's peak beyond the saved tensors, counted
-    independently: every storage an operation creates during forward and backward, alive after each
-    operation (bert-mini, length 128, bf16; per sequence: batch 64 minus batch 32, which cancels the
-    parameters' gradients). One plain layer's bytes covers none and selective (selective recomputes
-    element-wise operations, not a layer), two the policies that recompute a layer's forward."""
-    from hpcbert import meters
+def _backward_peak(model_name: str, length: int, policy: str, batches: tuple[int, int]) -> dict:
+    """Backward's peak beyond the saved tensors per sequence, as glibc's allocator sees it (bytes in
+    use after every operation of forward and backward, the most of them, less those in use when the
+    forward returned; batch b2 minus b1 over their difference, which cancels the parameters'
+    gradients), beside the plan's workspace; run in a process of its own (malloc's counters are the
+    process's)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
 
-    class Peak(meters._StoragesCreated):
+    in_use = malloc_in_use()
+
+    class Peak(TorchDispatchMode):
         peak = 0
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = super().__torch_dispatch__(func, types, args, kwargs)
-            self.peak = max(self.peak, self.alive_bytes())
+            out = func(*args, **(kwargs or {}))
+            self.peak = max(self.peak, in_use())
             return out
 
-    cfg = RunConfig(task="synthetic", model="bert-mini", max_seq_length=128, precision="bf16")
+    cfg = RunConfig(task="synthetic", model=model_name, max_seq_length=length, precision="bf16")
     cpu = torch.device("cpu")
     obj, mcfg = objectives.get(cfg), plan._model_config(cfg)
     torch.manual_seed(0)
     model = obj.build_model(mcfg).train()
     policies.norm_precision(model, cfg.norm_precision)
     policies.apply_grad_ckpt(model, policy)
-    saved, peak = {}, {}
-    for b in (32, 64):
-        batch, norm = obj.example_batch(b, cfg.max_seq_length, mcfg.vocab_size)
-        with Peak(cpu) as p:
+    beyond = {}
+    for b in (*batches, *batches):  # the first of each batch settles the allocator's one-time buffers
+        batch, norm = obj.example_batch(b, length, mcfg.vocab_size)
+        m0 = in_use()
+        with Peak() as p:
             with policies.autocast("bf16", cpu):
                 loss = obj.loss(model, obj.forward(model, batch), batch, norm)
-            saved[b] = p.alive_bytes()
+            saved = in_use() - m0
             loss.backward()
-        peak[b] = p.peak
+        beyond[b] = p.peak - m0 - saved
         model.zero_grad(set_to_none=True)
         del loss
-    beyond = (peak[64] - peak[32] - (saved[64] - saved[32])) / 32
-    planned = plan.make_plan(cfg, 2**34, cpu, (policy,)).get(policy)
-    assert planned.activation_bytes_per_sequence == pytest.approx((saved[64] - saved[32]) / 32, rel=0.01)
-    assert 0 < beyond <= planned.workspace_bytes_per_sequence, (beyond, planned.workspace_bytes_per_sequence)
+    b1, b2 = batches
+    return {"measured": (beyond[b2] - beyond[b1]) / (b2 - b1),
+            "planned": plan.make_plan(cfg, 2**34, cpu, (policy,)).get(policy).workspace_bytes_per_sequence}
+
+
+@pytest.mark.parametrize("length,batches", [(128, (32, 64)), (512, (8, 16))])
+@pytest.mark.parametrize("policy", ["none", "selective", "alternate", "all"])
+def test_workspace_is_what_backward_holds_beyond_the_saved_tensors(policy, length, batches):
+    """The plan's workspace per sequence on a CPU, counted over forward and backward of the model in
+    FakeTensorMode, against glibc's bytes in use during a real forward and backward (bert-mini, bf16).
+    At length 512 selective's and alternate's exceed one plain layer's bytes (the CPU attention's
+    backward holds three (L, L) tensors a head at once): the rule of one layer for selective and
+    two for the policies that recompute a layer, kept for CUDA, would be short there."""
+    malloc_in_use()  # skips here where glibc cannot measure
+    got = _in_own_process(f"_backward_peak('bert-mini', {length}, {policy!r}, {batches})")
+    assert got["measured"] > 0 and got["planned"] == pytest.approx(got["measured"], rel=0.05), got
+
+
+def test_the_cuda_workspace_rule():
+    """On CUDA the workspace is one plain layer's bytes, twice where a layer recomputes its forward
+    (alternate, all, every:K); on an H200 (bert-base 512) the probes found it on the safe side."""
+    assert [plan.workspace_rule(p, 10.0) for p in ("none", "selective", "offload", "alternate", "all", "every:3")] \
+        == [10, 10, 10, 20, 20, 20]
 
 
 def test_largest_batch_is_what_the_memory_holds():
@@ -146,12 +167,6 @@ def test_largest_batch_is_what_the_memory_holds():
         assert q.get(pp.policy).largest_batch == k
         q = plan.make_plan(CFG, memory_bytes=p.state_total + k * per_seq - 1, device="cpu", policies_=(pp.policy,))
         assert q.get(pp.policy).largest_batch == k - 1
-    # backward's workspace: one plain layer's bytes, twice where a layer recomputes its forward
-    # (every:K, alternate, all), once for selective (element-wise recomputation, one operation at a time)
-    w = plan.make_plan(CFG, memory_bytes=4 * 2**30, device="cpu", policies_=("none", "selective", "alternate", "all"))
-    one = w.get("none").workspace_bytes_per_sequence
-    assert one > 0 and w.get("selective").workspace_bytes_per_sequence == one
-    assert w.get("alternate").workspace_bytes_per_sequence == w.get("all").workspace_bytes_per_sequence == 2 * one
     # checkpointing everything fits more than nothing at all; recomputation is predicted to cost
     assert p.get("all").largest_batch > p.get("none").largest_batch
     # Every layer reruns its forward (1/3 of its training FLOPs), the first of bert-tiny's two without

@@ -8,6 +8,7 @@ excluded.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import platform
@@ -16,6 +17,7 @@ import resource
 import socket
 import subprocess
 import time
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -23,7 +25,6 @@ from typing import Callable
 import numpy as np
 import torch
 from torch import nn
-from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from . import __version__
@@ -105,24 +106,60 @@ def activation_bytes_per_sequence(model: nn.Module, loss_of: Callable[[int], tor
 
 
 class _StoragesCreated(TorchDispatchMode):
-    """Records (weakly) every storage that operations create on `device` while active."""
+    """Counts the bytes of every storage that operations create on `device` while active, as long as
+    each lives: a storage's Python object lives exactly as long as the storage (PyTorch keeps it
+    while the storage is referenced from C++, as MemTracker in torch.distributed._tools relies on),
+    so a weak reference's callback takes its bytes off when it is freed. `peak`: the most alive
+    after any operation while active."""
 
     def __init__(self, device: torch.device):
         super().__init__()
         self.device_type = device.type
-        self.created: dict[int, tuple[StorageWeakRef, int]] = {}
+        self.created: dict[int, weakref.ref] = {}
+        self.alive = self.peak = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         for t in torch.utils._pytree.tree_leaves(out):
             if isinstance(t, torch.Tensor) and t.device.type == self.device_type:
                 st = t.untyped_storage()
-                # A weak reference holds the storage's control block, so its id is not reused while we look.
-                self.created.setdefault(st._cdata, (StorageWeakRef(st), st.nbytes()))
+                if st._cdata not in self.created:
+                    n = st.nbytes()
+                    self.created[st._cdata] = weakref.ref(st, functools.partial(self._freed, st._cdata, n))
+                    self.alive += n
+        self.peak = max(self.peak, self.alive)
         return out
 
+    def _freed(self, key: int, nbytes: int, _ref) -> None:
+        del self.created[key]
+        self.alive -= nbytes
+
     def alive_bytes(self) -> int:
-        return sum(nbytes for ref, nbytes in self.created.values() if not ref.expired())
+        return self.alive
+
+
+def workspace_bytes_per_sequence(model: nn.Module, loss_of: Callable[[int], torch.Tensor],
+                                 device: torch.device, batches: tuple[int, int] = (64, 128)) -> int:
+    """What backward holds beyond the tensors saved for it, at its peak, per sequence: the most bytes
+    alive (storages created during the forward and backward of `loss_of(b)`, as
+    activation_bytes_per_sequence counts them) less those alive when the forward returned, for two
+    batches, their difference over the batches' (which cancels what does not grow with the batch:
+    the parameters' gradients). Meant for FakeTensorMode (hpcbert plan), where a batch costs no
+    memory or compute, so the batches can be large enough that the peak falls where the batch's
+    share is largest. Gradients are set to None after each backward. RNG state is restored."""
+    def beyond(b: int) -> int:
+        with _StoragesCreated(device) as created:
+            loss = loss_of(b)
+            saved = created.alive_bytes()
+            loss.backward()
+            del loss
+        model.zero_grad(set_to_none=True)
+        return created.peak - saved
+
+    devices = [device] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        b1, b2 = batches
+        return (beyond(b2) - beyond(b1)) // (b2 - b1)
 
 
 def peak_memory(device: torch.device) -> tuple[int, str]:
