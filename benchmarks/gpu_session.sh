@@ -6,7 +6,8 @@
 #   bash benchmarks/gpu_session.sh [GLUE_DIR] [TOKENIZER_DIR]
 #
 # Without network access on the machine: the GLUE data and a tokenizer folder are passed as
-# arguments, and Python packages missing there can be put as wheels in .whl/ (installed to
+# arguments (benchmarks/gpu_data.sh gathers them and the pre-training data into .gpudata/ to
+# carry), and Python packages missing there can be put as wheels in .whl/ (installed to
 # /tmp/site with --no-deps --no-index). HPCBERT_COMMIT names the commit the tree was copied from.
 set -u
 cd "$(dirname "$0")/.."

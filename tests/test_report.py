@@ -719,3 +719,34 @@ def test_gpu_mfu_on_pretraining_data_trains_mlm_and_renders_its_own_table(tmp_pa
     text = gpu.render(results)
     assert "## MFU: bert-tiny, masked-LM pre-training, length 128, bf16" in text and "synthetic task" not in text
     assert "## Where a step goes: bert-tiny, masked-LM pre-training, length 128, batch 4" in text
+
+
+def test_gpu_data_script_gathers_what_a_gpu_session_carries(tmp_path):
+    """benchmarks/gpu_data.sh: MRPC and the minilm-l6 tokenizer files copied byte for byte, the wiki
+    extract's first 16 files prepared for masked-LM (the token count in metadata.json as the arrays
+    hold it, every source named); a DATA folder without them is exit 2 naming the missing path."""
+    data = ROOT.parent / "shared" / "data"
+    if not (data / "pretrain" / "wiki-en" / "wiki_15").is_file() or not (data / "glue" / "MRPC").is_dir():
+        pytest.skip(f"the wiki extract and GLUE MRPC are not at {data} (they live in ../shared beside the project)")
+    from hpcbert.zoo import minilm_dir
+
+    try:
+        vocab = minilm_dir()
+    except ValueError as e:
+        pytest.skip(str(e))
+    script = ROOT / "benchmarks" / "gpu_data.sh"
+    env = {**os.environ, "PYTHON": sys.executable}
+    r = subprocess.run(["bash", str(script), str(tmp_path / "out"), str(data)], capture_output=True, text=True,
+                       env=env, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = tmp_path / "out"
+    for name in ("train.tsv", "dev.tsv"):
+        assert (out / "glue" / "MRPC" / name).read_bytes() == (data / "glue" / "MRPC" / name).read_bytes()
+    assert (out / "vocab" / "vocab.txt").read_bytes() == (vocab / "vocab.txt").read_bytes()
+    meta = json.loads((out / "pretrain" / "metadata.json").read_text())
+    assert [Path(s["path"]).name for s in meta["sources"]] == [f"wiki_{i:02d}" for i in range(16)]
+    tokens = sum(len(np.load(f)) for f in (out / "pretrain").glob("train_*.tokens.npy"))
+    assert tokens == meta["splits"]["train"]["tokens"] > 1_000_000
+    r = subprocess.run(["bash", str(script), str(tmp_path / "out2"), str(tmp_path / "nowhere")], capture_output=True,
+                       text=True, env=env, timeout=60)
+    assert r.returncode == 2 and str(tmp_path / "nowhere" / "glue" / "MRPC") in r.stderr
