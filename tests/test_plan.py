@@ -143,9 +143,9 @@ def _backward_peak(model_name: str, length: int, policy: str, batches: tuple[int
 def test_workspace_is_what_backward_holds_beyond_the_saved_tensors(policy, length, batches):
     """The plan's workspace per sequence on a CPU, counted over forward and backward of the model in
     FakeTensorMode, against glibc's bytes in use during a real forward and backward (bert-mini, bf16).
-    At length 512 selective's and alternate's exceed one plain layer's bytes (the CPU attention's
-    backward holds three (L, L) tensors a head at once): the rule of one layer for selective and
-    two for the policies that recompute a layer, kept for CUDA, would be short there."""
+    At length 512 selective's is 1.14 plain layers' bytes (the CPU attention's backward holds its
+    (L, L) gradients and the unpacked dropout mask at once): the rule kept for CUDA (one layer for
+    none and selective, two for the policies that recompute a layer) is short there, long elsewhere."""
     malloc_in_use()  # skips here where glibc cannot measure
     got = _in_own_process(f"_backward_peak('bert-mini', {length}, {policy!r}, {batches})")
     assert got["measured"] > 0 and got["planned"] == pytest.approx(got["measured"], rel=0.05), got
