@@ -13,15 +13,15 @@ fastest policy and batch, predicted before a run starts.
                    over a forward and backward of the fake model (meters.workspace_bytes_per_sequence:
                    the most bytes alive after any operation, less those alive when the forward
                    returned, batch 128 minus batch 64): the gradients in flight, a recomputed layer's
-                   activations, the CPU attention's (L, L) gradients, a masked-LM head's logits. On
-                   CPU glibc's bytes in use during a real step match that count (tests/test_plan.py:
-                   bert-mini, lengths 128 and 512, every policy; within 1%, the test allows 5%). On CUDA kernels' own buffers and the caching
-                   allocator's rounding are not in it, so the plan takes at least one plain layer's
-                   bytes, two where a layer recomputes its forward (alternate, all, every:K): on an
-                   H200, bert-base at 512, backward's peak beyond the saved tensors was 4.0, 7.3 and
-                   7.4 MiB per sequence for none, selective and alternate, one plain layer about 11,
-                   and in every GPU run so far the probed batch was at or above the plan's
-                   (results/gpu/)
+                   activations, the CPU attention's (L, L) gradients, a masked-LM head's logits.
+                   On CPU glibc's bytes in use during a real step match that count
+                   (tests/test_plan.py: bert-mini, lengths 128 and 512, every policy; within 1%,
+                   the test allows 5%). On CUDA kernels' own buffers and the caching allocator's
+                   rounding are not in it, so the plan takes at least one plain layer's bytes, two
+                   where a layer recomputes its forward (alternate, all, every:K): on an H200,
+                   bert-base at 512, backward's peak beyond the saved tensors was 4.0, 7.3 and 7.4
+                   MiB per sequence for none, selective and alternate, one plain layer about 11, and
+                   in every GPU run so far the probed batch was at or above the plan's (results/gpu/)
     A fraction of the memory (5% on CUDA, for the allocator's fragmentation) is kept free.
     offload also keeps, per sequence, what it moves out (none's activations minus its own) in pinned
     host memory: its largest batch is also bounded by HOST_SHARE of the host's available memory.
