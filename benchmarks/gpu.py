@@ -482,6 +482,11 @@ def _where_lines(doc: dict) -> list[str]:
     return [f"- {_where(d)}" for d in (found.values() or [doc])]
 
 
+def _names(names: list[str]) -> str:
+    """'a, b, c' for a few; 'a ... z (N files)' for more."""
+    return ", ".join(names) if len(names) <= 4 else f"{names[0]} ... {names[-1]} ({len(names)} files)"
+
+
 def _workload(settings: dict) -> str:
     return "masked-LM pre-training" if settings.get("task") == "mlm" else "synthetic task"
 
@@ -528,7 +533,7 @@ def render(results: Path = RESULTS) -> str:
             d = s["data"]
             what = (f"{_workload(s)}, length {s['max_seq_length']}",
                     f"Masked-LM pre-training (`--task mlm`) on `hpcbert prepare-pretraining`'s output of "
-                    f"{', '.join(d['sources'])} ({d['documents']:,} documents, {d['tokens']:,} tokens), whole lines "
+                    f"{_names(d['sources'])} ({d['documents']:,} documents, {d['tokens']:,} tokens), whole lines "
                     f"packed into sequences of up to {s['max_seq_length']} tokens, 15% of them masked. The model FLOPs "
                     "are the encoder's on the real tokens, the last layer's output projection and feed-forward at the masked rows only "
                     "(what it computes); the MLM head's decoder is not counted")
