@@ -84,11 +84,11 @@ def test_state_dict_keys_unchanged_by_wrapping():
 
 def test_all_keeps_only_each_layers_input():
     """Under `all` the encoder keeps, per sequence, each layer's fp32 input (T x H x 4 bytes) and
-    its attention's dropout mask as bits (the recomputation takes it instead of drawing it again),
-    and nothing else: the embeddings are recomputed too (before they were wrapped they also kept
-    their LayerNorm input, its statistics and a dropout mask per token). Every layer but the last
-    keeps its output for its final LayerNorm's backward, which is the next layer's input (no
-    bytes), and 1/std of each token (fp32)."""
+    its dropout masks as bits (the recomputation and the LayerNorms' backward take them instead of
+    drawing them again), and nothing else: the embeddings are recomputed too (before they were
+    wrapped they also kept their LayerNorm input, its statistics and a dropout mask per token).
+    Every layer but the last keeps its output for its final LayerNorm's backward, which is the next
+    layer's input (no bytes), and 1/std of each token (fp32)."""
     L, T, H = 6, 32, CFG["hidden_size"]
     m = make("all", layers=L)
     m.bert.pooler = None  # the encoder alone (the pooler keeps its own input and output)
@@ -99,10 +99,13 @@ def test_all_keeps_only_each_layers_input():
         return seq.sum()  # a sum's backward keeps nothing
 
     # + what the recomputation reads again: the ids and token types (int64 per token, the embeddings'
-    # inputs), the batch's cu_seqlens (int32, one entry per sequence) and each layer's attention
-    # dropout mask, one bit per score (N heads x T x T).
+    # inputs), the batch's cu_seqlens (int32, one entry per sequence), each layer's attention
+    # dropout mask, one bit per score (N heads x T x T), and one bit per element of T x H for each
+    # other dropout: the embeddings', each layer's output projection's and feed-forward's (kept by
+    # its final LayerNorm, or, in the last layer, recomputed): 1 + 2 L.
     N = CFG["num_attention_heads"]
-    expected = L * T * H * 4 + 2 * T * 8 + 4 + (L - 1) * T * 4 + L * N * T * T // 8
+    expected = (L * T * H * 4 + 2 * T * 8 + 4 + (L - 1) * T * 4 + L * N * T * T // 8
+                + (1 + 2 * L) * T * H // 8)
     assert activation_bytes_per_sequence(m, loss_of, torch.device("cpu")) == expected
 
 
@@ -142,35 +145,34 @@ def test_recomputation_stops_before_each_layers_last_matmul(precision):
     assert forward_matmuls_in_backward(make("selective", layers=L), precision) == 0
 
 
-def test_recomputation_takes_the_attention_mask_it_kept(monkeypatch):
-    """Masks drawn during backward (model.keep_mask), 4 layers. A recomputed layer takes its
-    attention's dropout mask from the forward's bits and draws again only its other dropouts: the
-    attention output projection's, and in the last layer (recomputed whole, at the [CLS] rows) the
-    feed-forward's. Each layer whose last LayerNorm keeps its output (model._NormKeepingOutput)
-    draws that LayerNorm's mask for its backward. every:2, alternate: layers 0 and 2 recomputed (2)
-    + 3 LayerNorms (layers 0, 1, 2); every:3: layers 0 (1) and 3 (2) + 2 (layers 0, 2); all: the
-    embeddings (1), layers 0-2 (3), layer 3 (2) + 3. The models are built from the same seed, so a
-    forward may find its mask already drawn by the graph of the model before (the same generator
-    state draws the same mask), freed by the time of its backward. Once every graph is freed, no
-    mask is held any more."""
+def test_backward_draws_no_dropout_mask_again(monkeypatch):
+    """Masks drawn during backward (model.keep_mask), 4 layers: none. A recomputed layer takes its
+    dropout masks from the bits its forward kept (its attention's; its output projection's; its
+    feed-forward's where it is recomputed: the last layer, at the [CLS] rows), and each LayerNorm
+    that keeps its output (model._NormKeepingOutput) its mask's bits; under all the embeddings'
+    too. The models are built from the same seed, so a forward may find its mask already drawn by
+    the graph of the model before (the same generator state draws the same mask), freed by the time
+    of its backward. Once every graph is freed, no mask is held any more. Before the bits, every:2
+    and alternate drew 2 + 3 masks in backward, every:3 1 + 2 + 2, all 1 + 3 + 2 + 3."""
     from hpcbert import model as model_module
 
     drawn = []
     keep_mask = model_module.keep_mask
     monkeypatch.setattr(model_module, "keep_mask", lambda *a, **k: drawn.append(a[0]) or keep_mask(*a, **k))
 
-    def draws_in_backward(policy: str) -> int:
+    def draws(policy: str) -> tuple[int, int]:
         m = make(policy)
         ids, mask, types, labels = batch()
+        drawn.clear()
         loss = m.loss_sum(m(ids, mask, types), labels)
+        forward = len(drawn)
         drawn.clear()
         loss.backward()
-        return len(drawn)
+        return forward, len(drawn)
 
-    assert draws_in_backward("every:2") == 2 + 3
-    assert draws_in_backward("every:3") == 1 + 2 + 2
-    assert draws_in_backward("alternate") == 2 + 3
-    assert draws_in_backward("all") == 1 + 3 + 2 + 3
+    # the forward draws every mask once: the embeddings', and 3 a layer
+    for policy in ("none", "every:2", "every:3", "alternate", "all", "selective"):
+        assert draws(policy) == (1 + 3 * 4, 0), policy
     assert len(model_module._DRAWN_MASKS) == 0
 
 
@@ -200,7 +202,10 @@ def test_every_2_keeps_no_more_for_its_shorter_recomputation():
     which the plain layers after them keep anyway (their Q/K/V matmul's input), and 1/std per
     token; plain layer 1, whose output wrapped layer 2's checkpoint keeps, keeps that output too
     instead of its last LayerNorm's fp32 input, mean and uint8 dropout mask (1/std it kept before
-    too). By hand, per sequence: -(4 + 1) x T x H - 4 x T (layer 1) + 2 x 4 x T (layers 0 and 2)."""
+    too); each of the three LayerNorms that keep their output keeps its dropout mask as bits, where
+    without them the wrapped layers' feed-forward dropouts keep theirs for the recomputation. By
+    hand, per sequence: -(4 + 1) x T x H - 4 x T (layer 1) + 2 x 4 x T (layers 0 and 2)
+    + (3 - 2) x T x H / 8."""
     T, H = 32, CFG["hidden_size"]
 
     def kept(m) -> int:
@@ -214,7 +219,7 @@ def test_every_2_keeps_no_more_for_its_shorter_recomputation():
     for layer in m.bert.encoder.layer:
         getattr(layer, "_checkpoint_wrapped_module", layer).output.keep_output_only = False
     whole = kept(m)
-    assert lean - whole == -5 * T * H - 4 * T + 2 * 4 * T
+    assert lean - whole == -5 * T * H - 4 * T + 2 * 4 * T + T * H // 8
 
 
 def trained_layer_norms(m) -> None:

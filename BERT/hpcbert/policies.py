@@ -12,16 +12,17 @@ backward is the policy:
                              LayerNorm's output and 1/std per token, so that its recomputation
                              stops before the feed-forward's second matmul; so does a plain layer
                              before a wrapped one, instead of the LayerNorm's input and dropout
-                             mask. Under `all` the output is the next layer's input, kept anyway;
-                             under every:K the plain layers' savings pay for it. On CPU a wrapped
-                             layer keeps its attention's dropout mask as bits (1/16 of the
-                             probabilities' bytes at bf16), which the recomputation takes instead
-                             of drawing it again
+                             mask (the mask as bits). Under `all` the output is the next layer's
+                             input, kept anyway; under every:K the plain layers' savings pay for
+                             it. On CPU a wrapped layer keeps its dropout masks as bits (1/16 of
+                             the probabilities' or the activation's bytes at bf16), which the
+                             recomputation takes instead of drawing them again
     alternate                layers 0, 2, 4, ... (the 2020 kit's choice, every:2's) are recomputed
                              from their input, but only their attention (Q/K/V, attention, output
                              projection, LayerNorm): they keep their feed-forward's tensors (a
-                             GELU's output excepted) and, on CPU, the attention's dropout mask as
-                             bits, which the recomputation takes instead of drawing it again. The
+                             GELU's output excepted) and, on CPU, the attention's and output
+                             projection's dropout masks as bits, which the recomputation takes
+                             instead of drawing them again. The
                              other layers keep what `selective` keeps. About every:2's bytes;
                              it reruns 8h^2 + 4sh of a layer's 8h^2 + 4hI + 4sh matmul FLOPs per
                              token (bert-base, length 128: 35%, every:2 68%; hpcbert.plan)
@@ -207,14 +208,22 @@ def wrap_layers(model: nn.Module, policy: str) -> list[int]:
             else:
                 layers[i].attention.self.pack_dropout_mask = True
                 layers[i] = checkpoint_wrapper(layers[i], checkpoint_fn=plain)
+    recomputes = policy not in ("selective", "offload")
     for i in chosen:
         # A recomputed attention (alternate, all, every:K) takes its dropout mask from the forward's
         # bits (1/16 of P's bytes at bf16), held past the checkpoint, instead of drawing it again
-        # (a quarter of the layer's attention time on CPU; a GPU's flash kernel redraws it for free)
+        # (a quarter of the layer's attention time on CPU; a GPU's flash kernel redraws it for free);
+        # so do the other dropouts a recomputation runs again (the output projection's; the
+        # feed-forward's where it is recomputed: not under alternate; the embeddings' under all):
+        # 1/16 of the activation's bytes at bf16 each, against 0.8 ms to draw one again
+        # (minilm-l6, batch 32, length 128)
         layers[i].attention.self.pack_dropout_mask = policy != "offload"
-        layers[i].attention.self.reuse_dropout_mask = policy not in ("selective", "offload")
+        layers[i].attention.self.reuse_dropout_mask = recomputes
+        layers[i].attention.output.reuse_dropout_mask = recomputes
+        layers[i].output.reuse_dropout_mask = recomputes and policy != "alternate"
         layers[i] = checkpoint_wrapper(layers[i], checkpoint_fn=fn)
     if policy == "all":
+        model.bert.embeddings.reuse_dropout_mask = True
         model.bert.embeddings = checkpoint_wrapper(model.bert.embeddings, checkpoint_fn=fn)
     return chosen
 
@@ -227,10 +236,12 @@ def unwrap_layers(model: nn.Module) -> None:
         if isinstance(layer, CheckpointWrapper):
             layers[i] = layer._checkpoint_wrapped_module
             layers[i].attention.self.pack_dropout_mask = layers[i].attention.self.reuse_dropout_mask = False
+        layers[i].attention.output.reuse_dropout_mask = layers[i].output.reuse_dropout_mask = False
         layers[i].output.keep_output_only = False
         layers[i].ffn_hooks = None
     if isinstance(model.bert.embeddings, CheckpointWrapper):
         model.bert.embeddings = model.bert.embeddings._checkpoint_wrapped_module
+    model.bert.embeddings.reuse_dropout_mask = False
 
 
 def apply_grad_ckpt(model: nn.Module, policy: str) -> list[int]:
