@@ -176,8 +176,11 @@ def render_readme(results: Path = RESULTS) -> str:
     if not path.is_file():
         return "\n".join(out + ["Not measured yet (`pareto.json` is missing).", ""])
     doc = read_json_object(path)
+    commit = {m["date"]: str(m["machine"].get("hpcbert_commit") or "—")[:7] for m in doc["measurements"]}
     rows = []
-    for e in doc["entries"]:
+    order = list(dict.fromkeys(BATCH))  # (model, length) as BATCH lists them
+    for e in sorted(doc["entries"], key=lambda e: order.index((e["model"], e["length"]))
+                    if (e["model"], e["length"]) in order else len(order)):
         none_b, none_t = e["bytes_per_sequence"]["none"], min(e["step_times_s"]["none"])
         for p, b in e["bytes_per_sequence"].items():
             t = min(e["step_times_s"][p])
@@ -186,11 +189,12 @@ def render_readme(results: Path = RESULTS) -> str:
                                              "MISS (" + ", ".join(w for w, ok in (("bytes", b / none_b <= tb),
                                                                                   ("time", t / none_t <= tt)) if not ok) + ")")
             bound = recompute_bound(e, p)
-            rows.append([e["model"], str(e["length"]), str(e["batch"]), e["precision"], p, f"{b / 2**20:.1f}",
+            rows.append([commit.get(e["date"], "—"), e["model"], str(e["length"]), str(e["batch"]), e["precision"], p,
+                         f"{b / 2**20:.1f}",
                          f"**{b / none_b:.2f}x**", f"{t:.3f}", f"**{t / none_t:.2f}x**",
                          "—" if bound is None else f"{bound:.2f}x",
                          "—" if tb is None else f"≤ {tb:.2f}x, ≤ {tt:.2f}x", verdict])
-    out += [markdown_grid(["model", "length", "batch", "precision", "policy", "act MiB/seq", "bytes vs none",
+    out += [markdown_grid(["commit", "model", "length", "batch", "precision", "policy", "act MiB/seq", "bytes vs none",
                            "fastest step s", "time vs none", "one-forward bound", "target (bytes, time)", "verdict"],
                           rows).rstrip("\n"), ""]
     out += ["Bytes: activations kept for backward per sequence at the full length, as the run's summary counts them "
