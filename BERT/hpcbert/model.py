@@ -420,10 +420,8 @@ def _keep_sizes(groups, n_head: int) -> list[int]:
 
 def _unpack_keeps(keep: torch.Tensor, groups, n_head: int, packed: bool) -> tuple[torch.Tensor, ...]:
     sizes = _keep_sizes(groups, n_head)
-    if packed and isinstance(keep, FakeTensor):  # hpcbert plan's count of backward's bytes
-        keep = keep.new_empty(sum(sizes))
-    elif packed:
-        keep = torch.from_numpy(np.unpackbits(keep.numpy(), count=sum(sizes)))
+    if packed:
+        keep = torch.ops.hpcbert.unpack_bits(keep, [sum(sizes)])
     return keep.split(sizes)
 
 
