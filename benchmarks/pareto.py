@@ -215,10 +215,11 @@ def render_readme(results: Path = RESULTS) -> str:
             "time / the step time, both from `none`'s fastest step (hooks time each module's forward there). A "
             "time target below the bound cannot be met by recomputing faster, only by recomputing less. "
             "`alternate` does: its wrapped layers keep their feed-forward's tensors and rerun only their "
-            "attention, taking its dropout mask from the bits the forward kept (its other layers keep what "
+            "attention, taking its dropout masks from the bits the forward kept (its other layers keep what "
             "`selective` keeps). On CPU `all` does too, every wrapped layer but the last keeping its output "
             "for its last LayerNorm's backward, so that its recomputation stops before the feed-forward's "
-            "second matmul. "
+            "second matmul; no policy draws a dropout mask again in backward (from 597be85: each recomputed "
+            "or LayerNorm-kept mask is kept as bits). "
             "Recomputing one forward costs about a third of a step where backward takes twice the forward; "
             "on a CPU, where the forward also draws every dropout mask and backward only applies them, the "
             "forward's share and so the bound are higher.", ""]
