@@ -258,10 +258,18 @@ def _apply_keep(x: torch.Tensor, keep: torch.Tensor, scale: float) -> torch.Tens
     return x * keep.to(x.dtype).mul_(scale)
 
 
+def _packed(keep: torch.Tensor) -> torch.Tensor:
+    return torch.from_numpy(np.packbits(keep.numpy().reshape(-1).view(bool)))
+
+
+def _unpacked(bits: torch.Tensor, n: int) -> torch.Tensor:
+    return torch.from_numpy(np.unpackbits(bits.numpy(), count=n))
+
+
 @torch.library.custom_op("hpcbert::pack_bits", mutates_args=())
 def _pack_bits(keep: torch.Tensor) -> torch.Tensor:
     """A uint8 0/1 mask as bits, 8 to a byte (1/8 of its bytes)."""
-    return torch.from_numpy(np.packbits(keep.numpy().reshape(-1).view(bool)))
+    return _packed(keep)
 
 
 @_pack_bits.register_fake
@@ -272,7 +280,7 @@ def _(keep):
 @torch.library.custom_op("hpcbert::unpack_bits", mutates_args=())
 def _unpack_bits(bits: torch.Tensor, shape: list[int]) -> torch.Tensor:
     """`pack_bits`'s mask again, uint8, of `shape`."""
-    return torch.from_numpy(np.unpackbits(bits.numpy(), count=math.prod(shape))).view(shape)
+    return _unpacked(bits, math.prod(shape)).view(shape)
 
 
 @_unpack_bits.register_fake
@@ -444,7 +452,7 @@ def _cpu_attention_op(qkv: torch.Tensor, groups: list[int], n_head: int, p: floa
             flat, scale = keep_mask((sum(sizes),), p, qkv.device)
         else:
             _keep_mask_seed()  # the generator advances as keep_mask would have advanced it
-            flat, scale = torch.from_numpy(np.unpackbits(bits.numpy(), count=sum(sizes))), keep_scale(p)
+            flat, scale = _unpacked(bits, sum(sizes)), keep_scale(p)
         keeps = flat.split(sizes)
     with torch.autocast("cpu", enabled=False):  # in qkv's dtype; the softmax accumulates in fp32
         for i, (r0, nb, L) in enumerate(groups3):
@@ -459,7 +467,7 @@ def _cpu_attention_op(qkv: torch.Tensor, groups: list[int], n_head: int, p: floa
             out[r0:r0 + nb * L] = o.transpose(1, 2).reshape(nb * L, H)
     if not p or bits is not None:
         return [out, *Ps]
-    return [out, *Ps, torch.from_numpy(np.packbits(flat.numpy().view(bool))) if packed else flat]
+    return [out, *Ps, _packed(flat) if packed else flat]
 
 
 @register_flop_formula(torch.ops.hpcbert.cpu_attention, get_raw=True)
