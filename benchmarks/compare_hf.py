@@ -356,7 +356,7 @@ def hf_run(name: str, work: Path, threads: int, glue: Path, out_json: Path, *, p
            seed: int, max_steps: int | None = None, epochs: float = 3.0, do_eval: bool = False,
            warmup_excluded: int = 5, optim: str | None = None, max_wait_s: float = 0.0, task: str = TASK,
            order: str = "random", host_allocator: str = "system", model: str = MODEL, batch: int = BATCH,
-           tokenizer: str | None = None) -> dict:
+           tokenizer: str | None = None, torch_compile: bool = False, pad_to_multiple_of: int | None = None) -> dict:
     cmd = [sys.executable, str(Path(__file__).resolve()), "_hf-worker", "--data-dir", str(glue), "--task", task,
            "--order", order, "--host-allocator", host_allocator, "--model", model, "--batch-size", str(batch),
            "--out", str(out_json), "--scratch", str(work / "hf-scratch" / name), "--padding", padding,
@@ -370,7 +370,12 @@ def hf_run(name: str, work: Path, threads: int, glue: Path, out_json: Path, *, p
         cmd += ["--optim", optim]
     if tokenizer:
         cmd += ["--tokenizer", str(tokenizer)]
+    if torch_compile:
+        cmd += ["--torch-compile"]
+    if pad_to_multiple_of:
+        cmd += ["--pad-to-multiple-of", str(pad_to_multiple_of)]
     say(f"trainer {name}: padding={padding} order={order} precision={precision} seed={seed} host_allocator={host_allocator} "
+        f"torch_compile={torch_compile} pad_to_multiple_of={pad_to_multiple_of} "
         f"{'max_steps=' + str(max_steps) if max_steps else 'epochs=' + str(epochs)}")
     noise = run_logged(cmd, work / "logs" / f"hf-{name}.log", threads, max_wait_s)
     r = read_json(out_json)
@@ -470,7 +475,13 @@ def hf_worker(argv: list[str]) -> int:
                         "transformers' BertForSequenceClassification of that shape, random init")
     p.add_argument("--batch-size", type=int, default=BATCH)
     p.add_argument("--tokenizer", default=None, help="tokenizer directory (default: minilm-l6's)")
+    p.add_argument("--torch-compile", action="store_true", help="TrainingArguments(torch_compile=True)")
+    p.add_argument("--pad-to-multiple-of", type=int, default=None,
+                   help="dynamic padding: DataCollatorWithPadding(pad_to_multiple_of=N), as run_glue.py sets 8 "
+                        "under fp16 (fewer distinct shapes, tensor-core multiples)")
     a = p.parse_args(argv)
+    if a.pad_to_multiple_of is not None and (a.padding != "dynamic" or a.pad_to_multiple_of < 1):
+        p.error("--pad-to-multiple-of: a positive number, with --padding dynamic")
     t_process = time.perf_counter()
     if a.host_allocator == "retain":
         from hpcbert.dist import tune_host_allocator
@@ -510,7 +521,8 @@ def hf_worker(argv: list[str]) -> int:
                                     max_length=SEQ_LEN, truncation=True), batched=True, keep_in_memory=True)
 
     train_ds, dev_ds = to_dataset(train_ex), to_dataset(dev_ex)
-    collator = default_data_collator if a.padding == "max_length" else DataCollatorWithPadding(tok)
+    collator = default_data_collator if a.padding == "max_length" else \
+        DataCollatorWithPadding(tok, pad_to_multiple_of=a.pad_to_multiple_of)
 
     transformers.set_seed(a.seed)  # the new classifier head is drawn from this seed
     if model_dir:
@@ -536,6 +548,8 @@ def hf_worker(argv: list[str]) -> int:
     )
     if a.optim:
         kwargs["optim"] = a.optim
+    if a.torch_compile:
+        kwargs["torch_compile"] = True
     args = TrainingArguments(**kwargs)
     torch.set_num_threads(a.threads)  # after anything that might have touched it
 
@@ -572,6 +586,7 @@ def hf_worker(argv: list[str]) -> int:
         "padding": a.padding, "precision": a.precision, "seed": a.seed,
         "optim": str(args.optim.value if hasattr(args.optim, "value") else args.optim),
         "attn_implementation": getattr(model.config, "_attn_implementation", None),
+        "torch_compile": bool(args.torch_compile), "pad_to_multiple_of": a.pad_to_multiple_of,
         "warmup_steps": warm, "total_steps": total, "steps": n, "warmup_steps_excluded": w,
         "threads": timer.threads,
         "steady_sequences_per_sec": steady_seqs / sum(full[w:]) if n > w else None,
@@ -607,6 +622,11 @@ COMPARISONS = [
     ("own length grouping", "hp-length-grouped", "hf-group-by-length",
      "each side with its own length grouping (hpcbert's length-grouped sampler, the Trainer's "
      "train_sampling_strategy=\"group_by_length\")"),
+    ("equal batches, Trainer compiled", "hp-random", "hf-same-order-compiled",
+     "as equal batches, the Trainer with `torch_compile=True` (its compile time falls in the steps left out)"),
+    ("equal batches, Trainer padding to multiples of 8", "hp-random", "hf-same-order-pad8",
+     "as equal batches, the Trainer's collator padding each batch to a multiple of 8 (`pad_to_multiple_of=8`, "
+     "run_glue.py's setting under fp16: fewer distinct shapes)"),
     ("equal batches, Trainer with hpcbert's malloc setting", "hp-random", "hf-same-order-retain",
      "as equal batches, the Trainer's process given the host allocator setting hpcbert applies to its own "
      "(hpcbert.dist.tune_host_allocator): what of the lead is that setting"),
@@ -625,6 +645,12 @@ def throughput_runs(matched: str) -> dict[str, dict]:
                           precision=matched, sampler="random"),
         "hf-same-order": dict(side="hf", label=f"Trainer {matched}, dynamic padding, hpcbert's random order",
                               padding="dynamic", precision=matched, order="hpcbert-random"),
+        "hf-same-order-compiled": dict(side="hf", label=f"Trainer {matched}, dynamic padding, hpcbert's random order, "
+                                       "torch_compile", padding="dynamic", precision=matched, order="hpcbert-random",
+                                       torch_compile=True),
+        "hf-same-order-pad8": dict(side="hf", label=f"Trainer {matched}, dynamic padding to a multiple of 8, "
+                                   "hpcbert's random order", padding="dynamic", precision=matched,
+                                   order="hpcbert-random", pad_to_multiple_of=8),
         "hf-same-order-retain": dict(side="hf", label=f"Trainer {matched}, dynamic padding, hpcbert's random order, "
                                      "malloc as hpcbert sets it", padding="dynamic", precision=matched,
                                      order="hpcbert-random", host_allocator="retain"),
@@ -689,7 +715,8 @@ def cmd_throughput(a) -> int:
                     name, work, a.threads, glue, work / "hf-json" / f"{name}.json", padding=how["padding"],
                     precision=how["precision"], seed=SEED, max_steps=steps, warmup_excluded=w, optim=a.hf_optim,
                     max_wait_s=a.wait_quiet, task=a.task, order=how["order"],
-                    host_allocator=how.get("host_allocator", "system")), a)
+                    host_allocator=how.get("host_allocator", "system"), torch_compile=how.get("torch_compile", False),
+                    pad_to_multiple_of=how.get("pad_to_multiple_of")), a)
                 rec.update(sampler=how["order"], host_allocator=how.get("host_allocator", "system"))
             rec.update(repeat=rep, side=how["side"], key=key, label=how["label"])
             doc["runs"].append(rec)
@@ -749,6 +776,13 @@ def throughput_summary(doc: dict) -> list[dict]:
                    hf_same_batches=hf_same, ratio_best=(hp_best / hf_best) if (hp_best and hf_best) else None)
         out.append(row)
     return out
+
+
+def fastest_trainer_on_equal_batches(summary: list[dict]) -> dict | None:
+    """Of the comparisons on equal batches, the one whose Trainer configuration has the highest median
+    seq/s: the peer at its best on the same batches."""
+    rows = [c for c in summary if c["comparison"].startswith("equal batches")]
+    return max(rows, key=lambda c: statistics.median(c["hf_seq_s"]), default=None)
 
 
 def best_of_repeats(runs: list[dict]) -> tuple[float | None, bool | None]:
@@ -812,6 +846,11 @@ def render_throughput(doc: dict) -> str:
         lines += [f"**Equal batches: hpcbert {head['ratio_median']:.2f}x the Trainer** (median of per-repeat ratios; "
                   f"{head['ratio_best']:.2f}x best-of-repeats), both sides training on the same batches "
                   f"({'checked: the per-step token counts agree' if head['same_batches_both_sides'] else 'NOT the same batches: the per-step token counts differ'}).", ""]
+        best = fastest_trainer_on_equal_batches(summary)
+        if best is not head:
+            lines += [f"**Against the Trainer's fastest configuration on equal batches** ({best['hf_label']}, "
+                      f"median {statistics.median(best['hf_seq_s']):.2f} seq/s): **hpcbert {best['ratio_median']:.2f}x** "
+                      f"({best['ratio_best']:.2f}x best-of-repeats).", ""]
     rows = []
     for c in summary:
         best = ([f"{c['hpcbert_best_seq_s']:.2f} / {c['hf_best_seq_s']:.2f}", f"{c['ratio_best']:.2f}x"]

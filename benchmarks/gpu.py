@@ -14,6 +14,9 @@ test; results/gpu/README.md is generated from the JSON files it writes (`render`
 throughput: bert-base (random weights, the published shape) at max length 128, bf16, MRPC, the same
 batches on both sides (hpcbert's random order given to the Trainer as its sampler), each run its own
 process, hpcbert and Trainer interleaved; the helpers and the Trainer worker are compare_hf.py's.
+The Trainer runs in each of --hf-configs: plain dynamic padding, padding to a multiple of 8 (run_glue.py's
+setting under fp16: fewer distinct shapes for cuBLAS and the allocator) and torch_compile, so that
+hpcbert is compared with the Trainer at its best as well as at its plain setting.
 Both sides time the same span (compare_hf.SPAN_NOTE) and synchronise the device at a step's end.
 MFU counts the model FLOPs of the real tokens (hpcbert.model.batch_flops) against the GPU's
 data-sheet bf16 peak; on equal batches the Trainer does the same FLOPs per step, so its MFU is
@@ -82,7 +85,7 @@ def cmd_throughput(a) -> int:
     glue, work = C.glue_root(a.data_dir, a.task), Path(a.work_dir)
     batches = a.batches
     doc = C.header("gpu-throughput", a.threads)
-    doc["settings"] = {"task": a.task, "model": a.model, "max_seq_length": C.SEQ_LEN, "precision": "bf16",
+    doc["settings"] = {"task": a.task, "model": MODEL, "max_seq_length": C.SEQ_LEN, "precision": "bf16",
                        "batches": batches, "steps": a.steps, "warmup_steps_excluded": a.warmup_excluded,
                        "repeats": a.repeats, "seed": C.SEED, "hf_optim": a.hf_optim}
     doc["runs"] = []
@@ -97,33 +100,55 @@ def cmd_throughput(a) -> int:
             hp.update(side="hpcbert", batch=B, repeat=rep, mfu=s.get("mfu"), peak_flops=s.get("peak_flops"),
                       peak_flops_source=s.get("peak_flops_source"), model_flops_per_sec=s.get("model_flops_per_sec"),
                       attention=s.get("attention"))
-            hf = C.hf_run(f"{name}-hf", work, a.threads, glue, work / "hf-json" / f"{name}.json", padding="dynamic",
-                          precision="bf16", seed=C.SEED, max_steps=a.steps, warmup_excluded=a.warmup_excluded,
-                          optim=a.hf_optim, task=a.task, order="hpcbert-random", model=MODEL, batch=B,
-                          tokenizer=a.tokenizer)
-            hf.update(side="hf", batch=B, repeat=rep)
-            doc["runs"] += [hp, hf]
-            say(f"{name}: hpcbert {hp['steady_sequences_per_sec']:.0f} seq/s (MFU {hp['mfu'] or 0:.1%}), "
-                f"Trainer {hf['steady_sequences_per_sec']:.0f} seq/s")
-            doc["summary"] = throughput_summary(doc)
-            C.write_json(path, doc)
+            doc["runs"].append(hp)
+            for conf in a.hf_configs:
+                hf = C.hf_run(f"{name}-hf-{conf}", work, a.threads, glue, work / "hf-json" / f"{name}-{conf}.json",
+                              padding="dynamic", precision="bf16", seed=C.SEED, max_steps=a.steps,
+                              warmup_excluded=a.warmup_excluded, optim=a.hf_optim, task=a.task, order="hpcbert-random",
+                              model=MODEL, batch=B, tokenizer=a.tokenizer, **HF_CONFIGS[conf][1])
+                hf.update(side="hf", batch=B, repeat=rep, hf_config=conf)
+                doc["runs"].append(hf)
+                say(f"{name}: hpcbert {hp['steady_sequences_per_sec']:.0f} seq/s (MFU {hp['mfu'] or 0:.1%}), "
+                    f"Trainer ({conf}) {hf['steady_sequences_per_sec']:.0f} seq/s")
+                doc["summary"] = throughput_summary(doc)
+                C.write_json(path, doc)
     print(render(Path(a.results_dir)))
     return 0
 
 
+# The Trainer's configurations on equal batches (`throughput --hf-configs`): name -> (what, hf_run options).
+HF_CONFIGS = {
+    "plain": ("dynamic padding", {}),
+    "pad8": ("dynamic padding to a multiple of 8", {"pad_to_multiple_of": 8}),
+    "compile": ("dynamic padding, torch_compile", {"torch_compile": True}),
+}
+
+
+def hf_config_list(text: str) -> list[str]:
+    names = [c.strip() for c in text.split(",") if c.strip()]
+    bad = [c for c in names if c not in HF_CONFIGS]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(f"{','.join(bad) or repr(text)}: not a Trainer configuration; "
+                                         f"comma-separated from {', '.join(HF_CONFIGS)}")
+    return names
+
+
 def throughput_summary(doc: dict) -> list[dict]:
+    """Per batch and Trainer configuration: hpcbert against that Trainer, repeat by repeat. A run
+    without `hf_config` (before --hf-configs) is the plain one."""
     out = []
-    for B in doc["settings"]["batches"]:
+    confs = list(dict.fromkeys(r.get("hf_config", "plain") for r in doc["runs"] if r["side"] == "hf"))
+    for B, conf in itertools.product(doc["settings"]["batches"], confs):
         pairs = {}
         for r in doc["runs"]:
-            if r["batch"] == B:
+            if r["batch"] == B and (r["side"] == "hpcbert" or r.get("hf_config", "plain") == conf):
                 pairs.setdefault(r["repeat"], {})[r["side"]] = r
         full = [p for p in pairs.values() if len(p) == 2]
         if not full:
             continue
         ratios = [p["hpcbert"]["steady_sequences_per_sec"] / p["hf"]["steady_sequences_per_sec"] for p in full]
         mfus = [p["hpcbert"]["mfu"] for p in full if p["hpcbert"].get("mfu")]
-        out.append({"batch": B, "repeats": len(full),
+        out.append({"batch": B, "hf_config": conf, "repeats": len(full),
                     "hpcbert_seq_per_s": [p["hpcbert"]["steady_sequences_per_sec"] for p in full],
                     "hf_seq_per_s": [p["hf"]["steady_sequences_per_sec"] for p in full],
                     "ratio_per_repeat": ratios, "ratio_median": statistics.median(ratios),
@@ -499,14 +524,25 @@ def render(results: Path = RESULTS) -> str:
     if tp.is_file():
         doc = C.read_json(tp)
         s = doc["settings"]
-        rows = [[str(r["batch"]), C._fmt_list(r["hpcbert_seq_per_s"], "{:.0f}"), C._fmt_list(r["hf_seq_per_s"], "{:.0f}"),
+        summary = throughput_summary(doc)
+        rows = [[str(r["batch"]), HF_CONFIGS[r["hf_config"]][0],
+                 C._fmt_list(r["hpcbert_seq_per_s"], "{:.0f}"), C._fmt_list(r["hf_seq_per_s"], "{:.0f}"),
                  C._fmt_list(r["ratio_per_repeat"]), f"**{r['ratio_median']:.2f}x**",
                  C._fmt_list(r["median_step_ratio_per_repeat"]) if r.get("median_step_ratio_per_repeat") else "—",
                  f"{r['hpcbert_mfu_median']:.1%}" if r["hpcbert_mfu_median"] else "—",
-                 f"{r['hf_mfu_median']:.1%}" if r["hf_mfu_median"] else "—"] for r in throughput_summary(doc)]
+                 f"{r['hf_mfu_median']:.1%}" if r["hf_mfu_median"] else "—"] for r in summary]
+        best = []
+        for B in s["batches"]:  # the Trainer at its best: its fastest configuration at this batch
+            mine = [r for r in summary if r["batch"] == B]
+            if len(mine) > 1:
+                top = max(mine, key=lambda r: statistics.median(r["hf_seq_per_s"]))
+                best.append(f"batch {B}: **{top['ratio_median']:.2f}x** against its fastest, "
+                            f"{HF_CONFIGS[top['hf_config']][0]}")
+        best_line = [f"hpcbert against the Trainer at its best on equal batches: {'; '.join(best)}.", ""] if best else []
         out += [f"## Against the Trainer on equal batches: {s['model']}, {s['task'].upper()}, length "
                 f"{s['max_seq_length']}, {s['precision']}", "",
-                markdown_grid(["batch", "hpcbert seq/s", "Trainer seq/s", "ratio per repeat", "ratio (median)",
+                *best_line,
+                markdown_grid(["batch", "Trainer", "hpcbert seq/s", "Trainer seq/s", "ratio per repeat", "ratio (median)",
                                "median step, Trainer / hpcbert", "hpcbert MFU", "Trainer MFU"], rows).rstrip("\n"), "",
                 f"The same batches on both sides (hpcbert's random order as the Trainer's sampler), {s['steps']} steps, "
                 f"the first {s['warmup_steps_excluded']} left out; Trainer optim "
@@ -689,6 +725,9 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--warmup-excluded", type=int, default=10)
     t.add_argument("--repeats", type=int, default=2)
     t.add_argument("--hf-optim", default=None, help="TrainingArguments.optim (default: the Trainer's)")
+    t.add_argument("--hf-configs", type=hf_config_list, default="plain,pad8,compile",
+                   help="the Trainer's configurations, each on hpcbert's batches: " +
+                        "; ".join(f"{k}: {v[0]}" for k, v in HF_CONFIGS.items()) + " (default: %(default)s)")
     m = sub.add_parser("mfu")
     common(m)
     m.add_argument("--model", default=MODEL)

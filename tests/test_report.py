@@ -750,3 +750,56 @@ def test_gpu_data_script_gathers_what_a_gpu_session_carries(tmp_path):
     r = subprocess.run(["bash", str(script), str(tmp_path / "out2"), str(tmp_path / "nowhere")], capture_output=True,
                        text=True, env=env, timeout=60)
     assert r.returncode == 2 and str(tmp_path / "nowhere" / "glue" / "MRPC") in r.stderr
+
+
+def test_trainer_worker_pads_to_a_multiple_when_asked(tmp_path):
+    """compare_hf.py's Trainer worker with --pad-to-multiple-of 8: every batch's padded length is a
+    multiple of 8 and at least its longest sequence (the real tokens per step are those of the same
+    batches as without it); without the option the padded length is the longest sequence's. The
+    option needs dynamic padding and a positive number (exit 2 otherwise)."""
+    for mod in ("datasets", "accelerate"):
+        pytest.importorskip(mod, reason="the Trainer worker needs the [bench] extras")
+    from glue_fixtures import write_glue_dir
+    from hpcbert.zoo import minilm_dir
+
+    try:
+        tok = minilm_dir()
+    except ValueError as e:
+        pytest.skip(str(e))
+    glue = write_glue_dir(tmp_path / "glue", ["MRPC"])
+    script = ROOT / "benchmarks" / "compare_hf.py"
+
+    def worker(name, *extra):
+        out = tmp_path / f"{name}.json"
+        cmd = [sys.executable, str(script), "_hf-worker", "--data-dir", str(glue), "--task", "mrpc",
+               "--model", "bert-tiny", "--tokenizer", str(tok), "--batch-size", "2", "--max-steps", "2",
+               "--warmup-steps-excluded", "0", "--threads", "1", "--padding", "dynamic", "--precision", "fp32",
+               "--order", "hpcbert-random", "--out", str(out), "--scratch", str(tmp_path / name), *extra]
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        return r, (json.loads(out.read_text()) if r.returncode == 0 else None)
+
+    r, plain = worker("plain")
+    assert r.returncode == 0, r.stderr[-2000:]
+    r, pad8 = worker("pad8", "--pad-to-multiple-of", "8")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert pad8["pad_to_multiple_of"] == 8 and plain["pad_to_multiple_of"] is None
+    assert pad8["step_real_tokens"] == plain["step_real_tokens"]  # the same batches
+    assert any((p // n) % 8 for p, n in zip(plain["step_padded_tokens"], plain["step_sequences"]))  # live
+    for p, q, n in zip(plain["step_padded_tokens"], pad8["step_padded_tokens"], plain["step_sequences"]):
+        longest, padded = p // n, q // n
+        assert padded % 8 == 0 and longest <= padded < longest + 8, (longest, padded)
+    r, _ = worker("bad", "--pad-to-multiple-of", "0")
+    assert r.returncode == 2 and "--pad-to-multiple-of: a positive number" in r.stderr
+
+
+def test_fastest_trainer_on_equal_batches_is_the_highest_median():
+    """The comparison the throughput README names as the Trainer at its best on equal batches: the
+    highest median Trainer seq/s among the equal-batch rows; other rows (length grouping) are not
+    candidates."""
+    C = _benchmark_script("compare_hf")
+    rows = [{"comparison": "equal batches", "hf_seq_s": [50.0, 60.0, 55.0]},
+            {"comparison": "own length grouping", "hf_seq_s": [90.0, 91.0, 92.0]},
+            {"comparison": "equal batches, Trainer compiled", "hf_seq_s": [70.0, 40.0, 41.0]},
+            {"comparison": "equal batches, Trainer padding to multiples of 8", "hf_seq_s": [56.0, 56.0, 1.0]}]
+    assert C.fastest_trainer_on_equal_batches(rows) is rows[3]  # medians 55, 41, 56
+    assert C.fastest_trainer_on_equal_batches(rows[1:2]) is None
