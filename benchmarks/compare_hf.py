@@ -778,11 +778,15 @@ def throughput_summary(doc: dict) -> list[dict]:
     return out
 
 
+def fastest_trainer(rows: list[dict], seq_key: str = "hf_seq_s") -> dict | None:
+    """The row whose Trainer configuration has the highest median seq/s (per-repeat figures under
+    `seq_key`): the peer at its best. None for no rows."""
+    return max(rows, key=lambda c: statistics.median(c[seq_key]), default=None)
+
+
 def fastest_trainer_on_equal_batches(summary: list[dict]) -> dict | None:
-    """Of the comparisons on equal batches, the one whose Trainer configuration has the highest median
-    seq/s: the peer at its best on the same batches."""
-    rows = [c for c in summary if c["comparison"].startswith("equal batches")]
-    return max(rows, key=lambda c: statistics.median(c["hf_seq_s"]), default=None)
+    """Of the comparisons on equal batches, the one with the fastest Trainer configuration."""
+    return fastest_trainer([c for c in summary if c["comparison"].startswith("equal batches")])
 
 
 def best_of_repeats(runs: list[dict]) -> tuple[float | None, bool | None]:

@@ -535,7 +535,7 @@ def render(results: Path = RESULTS) -> str:
         for B in s["batches"]:  # the Trainer at its best: its fastest configuration at this batch
             mine = [r for r in summary if r["batch"] == B]
             if len(mine) > 1:
-                top = max(mine, key=lambda r: statistics.median(r["hf_seq_per_s"]))
+                top = C.fastest_trainer(mine, "hf_seq_per_s")
                 best.append(f"batch {B}: **{top['ratio_median']:.2f}x** against its fastest, "
                             f"{HF_CONFIGS[top['hf_config']][0]}")
         best_line = [f"hpcbert against the Trainer at its best on equal batches: {'; '.join(best)}.", ""] if best else []

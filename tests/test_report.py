@@ -803,3 +803,36 @@ def test_fastest_trainer_on_equal_batches_is_the_highest_median():
             {"comparison": "equal batches, Trainer padding to multiples of 8", "hf_seq_s": [56.0, 56.0, 1.0]}]
     assert C.fastest_trainer_on_equal_batches(rows) is rows[3]  # medians 55, 41, 56
     assert C.fastest_trainer_on_equal_batches(rows[1:2]) is None
+
+
+def test_gpu_throughput_runs_each_trainer_configuration(tmp_path, monkeypatch):
+    """gpu.py throughput, run on the CPU: one hpcbert run and one Trainer run per --hf-configs entry
+    on the same batches (the real-token counts per step agree), a summary row per configuration,
+    and the rendered line naming hpcbert against the fastest; an unknown configuration is a usage
+    error naming the ones there are."""
+    for mod in ("datasets", "accelerate"):
+        pytest.importorskip(mod, reason="the Trainer worker needs the [bench] extras")
+    from glue_fixtures import write_glue_dir
+    from hpcbert.zoo import minilm_dir
+
+    try:
+        tok = minilm_dir()
+    except ValueError as e:
+        pytest.skip(str(e))
+    gpu = _benchmark_script("gpu")
+    monkeypatch.setenv("HPCBERT_GPU_BENCH_ON_CPU", "1")
+    glue, results = write_glue_dir(tmp_path / "glue", ["MRPC"]), tmp_path / "r"
+    common = ["throughput", "--data-dir", str(glue), "--tokenizer", str(tok), "--batches", "2", "--steps", "2",
+              "--warmup-excluded", "1", "--repeats", "1", "--threads", "1", "--results-dir", str(results),
+              "--work-dir", str(tmp_path / "w")]
+    with pytest.raises(SystemExit) as e:
+        gpu.main([*common, "--hf-configs", "plain,bogus"])
+    assert e.value.code == 2
+    assert gpu.main([*common, "--hf-configs", "plain,pad8"]) == 0
+    doc = json.loads((results / "throughput.json").read_text())
+    assert [(r["side"], r.get("hf_config")) for r in doc["runs"]] == [("hpcbert", None), ("hf", "plain"), ("hf", "pad8")]
+    hp, plain, pad8 = doc["runs"]  # 3 examples: two steps of batch 2 are one epoch, the worker's order
+    assert hp["step_real_tokens"] == plain["step_real_tokens"] == pad8["step_real_tokens"]
+    assert pad8["pad_to_multiple_of"] == 8 and all((p // n) % 8 == 0 for p, n in zip(pad8["step_padded_tokens"], pad8["step_sequences"]))
+    assert [(r["batch"], r["hf_config"]) for r in doc["summary"]] == [(2, "plain"), (2, "pad8")]
+    assert "hpcbert against the Trainer at its best on equal batches: batch 2:" in gpu.render(results)
