@@ -752,20 +752,27 @@ def test_gpu_data_script_gathers_what_a_gpu_session_carries(tmp_path):
     assert r.returncode == 2 and str(tmp_path / "nowhere" / "glue" / "MRPC") in r.stderr
 
 
+def _trainer_worker_or_skip() -> Path:
+    """What compare_hf.py's Trainer worker needs here ([bench] extras, the minilm-l6 tokenizer):
+    the tokenizer's folder, or the test skips."""
+    for mod in ("datasets", "accelerate"):
+        pytest.importorskip(mod, reason="the Trainer worker needs the [bench] extras")
+    from hpcbert.zoo import minilm_dir
+
+    try:
+        return minilm_dir()
+    except ValueError as e:
+        pytest.skip(str(e))
+
+
 def test_trainer_worker_pads_to_a_multiple_when_asked(tmp_path):
     """compare_hf.py's Trainer worker with --pad-to-multiple-of 8: every batch's padded length is a
     multiple of 8 and at least its longest sequence (the real tokens per step are those of the same
     batches as without it); without the option the padded length is the longest sequence's. The
     option needs dynamic padding and a positive number (exit 2 otherwise)."""
-    for mod in ("datasets", "accelerate"):
-        pytest.importorskip(mod, reason="the Trainer worker needs the [bench] extras")
     from glue_fixtures import write_glue_dir
-    from hpcbert.zoo import minilm_dir
 
-    try:
-        tok = minilm_dir()
-    except ValueError as e:
-        pytest.skip(str(e))
+    tok = _trainer_worker_or_skip()
     glue = write_glue_dir(tmp_path / "glue", ["MRPC"])
     script = ROOT / "benchmarks" / "compare_hf.py"
 
@@ -810,15 +817,9 @@ def test_gpu_throughput_runs_each_trainer_configuration(tmp_path, monkeypatch):
     on the same batches (the real-token counts per step agree), a summary row per configuration,
     and the rendered line naming hpcbert against the fastest; an unknown configuration is a usage
     error naming the ones there are."""
-    for mod in ("datasets", "accelerate"):
-        pytest.importorskip(mod, reason="the Trainer worker needs the [bench] extras")
     from glue_fixtures import write_glue_dir
-    from hpcbert.zoo import minilm_dir
 
-    try:
-        tok = minilm_dir()
-    except ValueError as e:
-        pytest.skip(str(e))
+    tok = _trainer_worker_or_skip()
     gpu = _benchmark_script("gpu")
     monkeypatch.setenv("HPCBERT_GPU_BENCH_ON_CPU", "1")
     glue, results = write_glue_dir(tmp_path / "glue", ["MRPC"]), tmp_path / "r"
