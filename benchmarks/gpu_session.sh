@@ -34,7 +34,9 @@ part() {  # part SECONDS NAME COMMAND...
     timeout -k 10 "$limit" "$@"
     echo "== $name: exit $? after $((SECONDS - t0)) s (limit $limit s)"
 }
-PARTS=" ${PARTS:-throughput mfu large tests} "  # a later call can rerun some of them; profile is opt-in
+# The default parts fit one 10-minute call; throughput (the Trainer three ways) takes a call of its own
+# (PARTS=throughput), and a later call can rerun some of the others; profile is opt-in
+PARTS=" ${PARTS:-mfu large tests} "
 # the Trainer plain, padding to multiples of 8, compiled (the compiled run last: a time cut loses it alone)
 [[ $PARTS == *" throughput "* ]] && part "${T_THROUGHPUT:-300}" throughput \
     python3 benchmarks/gpu.py throughput --data-dir "$GLUE" "${tok[@]}" ${THROUGHPUT_ARGS:---repeats 1} --results-dir "$OUT"
