@@ -402,7 +402,9 @@ class _CpuAttention(torch.autograd.Function):
             dO = dout[rows].view(nb, L, N, D).transpose(1, 2)           # (nb, N, L, D)
             g = dqkv[rows].view(nb, L, 3, N, D)
             if p:
-                keep = keeps[i].view(P.shape)
+                # in P's dtype once, for both products: a product of P and the uint8 mask converts
+                # the mask into a temporary of P's dtype first (aten::copy_), each time
+                keep = keeps[i].view(P.shape).to(P.dtype)
                 dO = dO * scale
                 dP = (dO @ v.transpose(-1, -2)).mul_(keep)              # (nb, N, L, L)
                 g[:, :, 2] = ((P * keep).transpose(-1, -2) @ dO).transpose(1, 2)
@@ -462,7 +464,7 @@ def _cpu_attention_op(qkv: torch.Tensor, groups: list[int], n_head: int, p: floa
             # (bit-equal to softmax in fp32 then rounded, without the two (L, L) casts)
             P = torch.softmax(S, -1)
             Ps.append(P)
-            # P * keep promotes the uint8 mask in the multiplication (no converted copy)
+            # P * keep: the uint8 mask converted to P's dtype in a temporary, then multiplied
             o = ((P * keeps[i].view(P.shape)) @ v).mul_(scale) if p else P @ v
             out[r0:r0 + nb * L] = o.transpose(1, 2).reshape(nb * L, H)
     if not p or bits is not None:
