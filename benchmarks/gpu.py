@@ -18,8 +18,8 @@ The Trainer runs in each of --hf-configs: plain dynamic padding, padding to a mu
 setting under fp16: fewer distinct shapes for cuBLAS and the allocator) and torch_compile, so that
 hpcbert is compared with the Trainer at its best as well as at its plain setting.
 Both sides time the same span (compare_hf.SPAN_NOTE) and synchronise the device at a step's end.
-MFU counts the model FLOPs of the real tokens (hpcbert.model.batch_flops) against the GPU's
-data-sheet bf16 peak; on equal batches the Trainer does the same FLOPs per step, so its MFU is
+MFU counts the model FLOPs of the real tokens (hpcbert.model.batch_flops, and the head's: the
+objectives' head_flops) against the GPU's data-sheet bf16 peak; on equal batches the Trainer does the same FLOPs per step, so its MFU is
 hpcbert's divided by the ratio.
 
 mfu: `hpcbert train` alone, bert-base at length 128, bf16, per batch, --compile and --norm-precision.
@@ -572,12 +572,13 @@ def render(results: Path = RESULTS) -> str:
                     f"{_names(d['sources'])} ({d['documents']:,} documents, {d['tokens']:,} tokens), whole lines "
                     f"packed into sequences of up to {s['max_seq_length']} tokens, 15% of them masked. The model FLOPs "
                     "are the encoder's on the real tokens, the last layer's output projection and feed-forward at the masked rows only "
-                    "(what it computes); the MLM head's decoder is not counted")
+                    "(what it computes), and the masked-LM head's transform and vocabulary projection at the masked rows")
         else:
             what = (f"{_workload(s)}, length {s['max_seq_length']}",
                     f"Synthetic pairs of lengths 8 to {s['max_seq_length']} (hpcbert's `--task synthetic`, a "
                     "fine-tuning batch); the model FLOPs are the encoder's on the real tokens, the last layer's "
-                    "output projection and feed-forward at [CLS] only")
+                    "output projection and feed-forward at [CLS] only (and, in runs of commits after 6d701e8, the pooler "
+                    "and the classifier at [CLS]: 0.01% of them)")
         out += [f"## MFU: {s['model']}, {what[0]}, {s['precision']}", "",
                 markdown_grid(["commit", "batch", "--compile", "--norm-precision", "seq/s", "real tokens/s",
                                "real tokens/seq", "model TFLOP/s", "MFU"], rows).rstrip("\n"),

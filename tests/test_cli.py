@@ -45,21 +45,24 @@ def test_train_writes_a_self_describing_run_directory(tmp_path):
     assert all(set(METRIC_KEYS) <= set(m) for m in rows)
 
 
-def bert_tiny_training_flops(seq_len: int, head_rows: int | None = None) -> float:
+def bert_tiny_training_flops(seq_len: int, head_rows: int | None = None, labels: int | None = None) -> float:
     """Training FLOPs per sequence of bert-tiny (L=2, h=128, FFN 4h), written out here from the
     Megatron-LM paper (Narayanan et al. 2021, eq. 2 without the LM head): forward 24*s*h^2 for
     the QKV, output and FFN matmuls plus 4*s^2*h for attention, per layer; backward twice that.
     A head that reads `head_rows` positions (a classifier: [CLS]) spares the last layer's output
-    projection (2h^2) and feed-forward (2 * 2*h*4h = 16h^2) at the other s - head_rows tokens."""
+    projection (2h^2) and feed-forward (2 * 2*h*4h = 16h^2) at the other s - head_rows tokens.
+    `labels`: a classifier's head besides, the pooler (h x h) and output layer (h x labels) at
+    [CLS]: 3 * 2 * (h^2 + h * labels)."""
     L, h, s = 2, 128, seq_len
     spared = 0 if head_rows is None else 3 * (s - head_rows) * (2 * h**2 + 16 * h**2)
-    return 3 * L * (24 * s * h**2 + 4 * s**2 * h) - spared
+    head = 0 if labels is None else 3 * 2 * (h**2 + h * labels)
+    return 3 * L * (24 * s * h**2 + 4 * s**2 * h) - spared + head
 
 
 def test_mfu_is_formula_flops_over_the_measured_step_times_and_the_recorded_peak(tmp_path):
     out = tmp_path / "run"
     # At --max-seq-length 8 every synthetic pair is exactly 8 tokens (its lengths are drawn from
-    # 8..max), so every sequence costs bert_tiny_training_flops(8, head_rows=1): the classifier
+    # 8..max), so every sequence costs bert_tiny_training_flops(8, head_rows=1, labels=2): the classifier
     # reads [CLS]. The padding of --pad-to-max-length (none here) would not count: the encoder
     # computes on real tokens only.
     r = hpcbert("train", "--model", "bert-tiny", "--task", "synthetic", "--max-steps", 8, "--batch-size", 8,
@@ -72,7 +75,7 @@ def test_mfu_is_formula_flops_over_the_measured_step_times_and_the_recorded_peak
     # Steady window = steps 3..8: their step times as logged one by one in metrics.jsonl.
     steady_time = sum(m["step_time_s"] for m in rows[2:])
     assert all(m["tokens_per_sec"] * m["step_time_s"] == pytest.approx(8 * 8) for m in rows), "8 real tokens each"
-    flops_per_sec = 6 * 8 * bert_tiny_training_flops(8, head_rows=1) / steady_time
+    flops_per_sec = 6 * 8 * bert_tiny_training_flops(8, head_rows=1, labels=2) / steady_time
     assert s["model_flops_per_sec"] == pytest.approx(flops_per_sec, rel=1e-6)
     assert s["peak_flops"] > 0 and "measured" in s["peak_flops_source"]
     expected = flops_per_sec / s["peak_flops"]

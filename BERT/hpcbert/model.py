@@ -1006,7 +1006,8 @@ def flops_per_sequence(c: BertConfig, seq_len: int, head_rows: float | None = No
     Forward = 2 FLOPs per multiply-add: Q, K, V and output projections (4 h x h), the two
     feed-forward matmuls (2 h x I), and attention scores and values (2 * 2*s*h per token);
     backward = 2x forward. Source: the Megatron-LM paper (Narayanan et al. 2021, eq. 2) without
-    the LM head, with I kept apart; cited in FIELD_NOTES.
+    the LM head, with I kept apart; cited in FIELD_NOTES. The heads' matrix products are counted
+    apart, by each objective (`head_flops`, with `linear_flops`), on the rows they run on.
 
     `head_rows`: positions the head reads (1 for a classifier's [CLS]); the last layer's output
     projection and feed-forward run there only (BertEncoder), 3 * (s - head_rows) * (2h^2 + 4hI)
@@ -1022,6 +1023,15 @@ def batch_flops(c: BertConfig, lengths, head_rows: float | None = None) -> float
     full = 3.0 * L * float((8.0 * s * h * h + 4.0 * s * h * i + 4.0 * s * s * h).sum())
     skipped = 0.0 if head_rows is None else 3.0 * (float(s.sum()) - head_rows) * (2.0 * h * h + 4.0 * h * i)
     return full - skipped
+
+
+def linear_flops(rows: float, *shapes: tuple[int, int]) -> float:
+    """Training FLOPs of linear layers of these (in, out) shapes applied to `rows` rows each:
+    2 x rows x in x out forward, twice that backward (the gradients of the input and of the weight).
+    What a head's matrix products cost (the objectives' head_flops): a classifier's pooler and
+    output layer on each sequence's [CLS], a span head on every token, a masked-LM head's
+    transform and vocabulary projection on the masked tokens."""
+    return 3.0 * 2.0 * float(rows) * sum(float(i) * float(o) for i, o in shapes)
 
 
 # --- loading Hugging Face-format checkpoints ------------------------------------------------------

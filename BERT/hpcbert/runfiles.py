@@ -77,7 +77,7 @@ SUMMARY_KEYS: dict[str, str] = {
     "activation_bytes_per_sequence": "bytes saved for backward per sequence at max_seq_length, measured with saved-tensor hooks (difference of batch 2 and batch 1)",
     "peak_memory_bytes": "CUDA allocator peak (GPU) or process peak RSS (CPU)",
     "peak_memory_kind": "cuda_max_allocated or process_max_rss",
-    "model_flops_per_sec": "model FLOPs/s over steady steps, from 3*L*(24*s*h^2 + 4*s^2*h) per sequence at its real length, less the last layer's work at positions the head does not read (model.batch_flops)",
+    "model_flops_per_sec": "model FLOPs/s over steady steps, from 3*L*(24*s*h^2 + 4*s^2*h) per sequence at its real length, less the last layer's work at positions the head does not read (model.batch_flops), plus the head's matrix products on the rows it reads (the objective's head_flops)",
     "peak_flops": "device peak FLOP/s at the precision used (table for GPUs, measured matmul on CPU)",
     "peak_flops_source": "where peak_flops came from",
     "mfu": "model_flops_per_sec / peak_flops",

@@ -468,7 +468,8 @@ class Trainer:
                 real_tokens += batch.real_tokens
                 padded += B * T
                 lengths = batch.lengths if batch.lengths is not None else [T] * B
-                flops += batch_flops(self.raw.config, lengths, self.obj.head_rows(batch))
+                flops += (batch_flops(self.raw.config, lengths, self.obj.head_rows(batch))
+                          + self.obj.head_flops(batch, self.raw.config))
             # Gradients are all-reduced only on the last micro-batch of the step.
             sync = contextlib.nullcontext() if (not d.active or j == len(micro) - 1) else self.model.no_sync()
             with sync:

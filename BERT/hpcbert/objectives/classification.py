@@ -14,7 +14,7 @@ from ..data import synthetic
 from ..data.features import Batch, Features, cached_features, collate, load_tokenizer, tokenize_examples
 from ..data.glue import TaskSpec, get_task, read_split, task_path
 from ..data.metrics import accuracy, compute_metrics
-from ..model import BertConfig, BertForSequenceClassification, classification_loss
+from ..model import BertConfig, BertForSequenceClassification, classification_loss, linear_flops
 from ..zoo import ModelSource
 from . import Evaluation
 
@@ -88,6 +88,10 @@ class SequenceClassification:
 
     def head_rows(self, batch: Batch) -> int:
         return len(batch)  # [CLS] of each sequence
+
+    def head_flops(self, batch: Batch, model_cfg: BertConfig) -> float:
+        h = model_cfg.hidden_size  # pooler and output layer, at each sequence's [CLS]
+        return linear_flops(len(batch), (h, h), (h, model_cfg.num_labels))
 
     def loss(self, model: nn.Module, outputs: torch.Tensor, batch: Batch, norm: dict[str, float]) -> torch.Tensor:
         return model.loss_sum(outputs, batch.labels) / norm["examples"]

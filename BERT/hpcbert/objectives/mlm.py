@@ -33,7 +33,7 @@ from ..data import masking
 from ..data.features import Batch, load_tokenizer
 from ..data.packing import EVAL_PAIR_SEED, Sequences, Stream
 from ..data.pretrain import load_prepared, tokenizer_sha256
-from ..model import BertConfig, BertForMaskedLM, BertForPreTraining
+from ..model import BertConfig, BertForMaskedLM, BertForPreTraining, linear_flops
 from ..zoo import ModelSource
 from . import Evaluation
 
@@ -166,6 +166,13 @@ class MaskedLM:
     def head_rows(self, batch: Batch) -> int:
         # the masked tokens, and [CLS] for next-sentence prediction
         return len(batch.labels["mlm_positions"]) + (len(batch) if self.cfg.nsp else 0)
+
+    def head_flops(self, batch: Batch, model_cfg: BertConfig) -> float:
+        # the transform and the vocabulary projection at the masked tokens; the next-sentence head
+        # (pooler and output layer) at each sequence's [CLS]
+        h, masked = model_cfg.hidden_size, len(batch.labels["mlm_positions"])
+        nsp = linear_flops(len(batch), (h, h), (h, 2)) if self.cfg.nsp else 0.0
+        return linear_flops(masked, (h, h), (h, model_cfg.vocab_size)) + nsp
 
     def loss(self, model: nn.Module, outputs, batch: Batch, norm: dict[str, float]) -> torch.Tensor:
         logits, nsp_logits = outputs if self.cfg.nsp else (outputs, None)

@@ -30,7 +30,7 @@ from ..config import RunConfig
 from ..data.features import Batch, Features, cached_features, collate, load_tokenizer
 from ..data.squad import SquadExample, SquadFeatures, build_features, predict_answers, read_squad
 from ..data.squad_metrics import evaluate_v1, evaluate_v2
-from ..model import BertConfig, BertForQuestionAnswering
+from ..model import BertConfig, BertForQuestionAnswering, linear_flops
 from ..zoo import ModelSource
 from . import Evaluation
 
@@ -194,6 +194,9 @@ class QuestionAnswering:
 
     def head_rows(self, batch: Batch) -> None:
         return None  # start and end logits at every token
+
+    def head_flops(self, batch: Batch, model_cfg: BertConfig) -> float:
+        return linear_flops(batch.real_tokens, (model_cfg.hidden_size, 2))  # start and end, at every real token
 
     @staticmethod
     def _masked(outputs: tuple[torch.Tensor, torch.Tensor], batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
