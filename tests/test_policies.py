@@ -145,6 +145,30 @@ def test_recomputation_stops_before_each_layers_last_matmul(precision):
     assert forward_matmuls_in_backward(make("selective", layers=L), precision) == 0
 
 
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_alternate_recomputes_the_query_projection_alone(precision):
+    """The FLOPs backward runs beyond none's (torch's FlopCounterMode) are alternate's recomputation:
+    in each wrapped layer (0 and 2 of 4) the Q projection (K and V are kept: model._KvKeepingLinear),
+    the attention and the output projection, by hand over the batch's real lengths (n tokens):
+    2 n H^2 + 4 sum(L^2) H + 2 n H^2 a layer. Recomputing the whole Q/K/V projection would add
+    4 n H^2 a layer. Its loss and gradients are none's (test above)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    def backward_flops(m) -> int:
+        ids, mask, types, labels = batch()
+        torch.manual_seed(123)
+        with policies.autocast(precision, torch.device("cpu")):
+            loss = m.loss_sum(m(ids, mask, types), labels)
+        with FlopCounterMode(display=False) as fc:
+            loss.backward()
+        return fc.get_total_flops()
+
+    lengths, H = [24, 20, 9, 15], CFG["hidden_size"]  # batch()'s
+    n = sum(lengths)
+    per_layer = 2 * n * H * H + 4 * sum(L * L for L in lengths) * H + 2 * n * H * H
+    assert backward_flops(make("alternate")) - backward_flops(make("none")) == 2 * per_layer
+
+
 def test_backward_draws_no_dropout_mask_again(monkeypatch):
     """Masks drawn during backward (model.keep_mask), 4 layers: none. A recomputed layer takes its
     dropout masks from the bits its forward kept (its attention's; its output projection's; its
@@ -185,7 +209,9 @@ def test_alternate_trades_the_feed_forward_of_wrapped_layers_for_selective_plain
     - layers 1 and 3 keep what selective keeps: no GELU output, no LayerNorm output for the
       feed-forward (layer 3, which the classifier reads, computes its feed-forward on the [CLS]
       row only: 1 row, not T), and the attention's dropout mask as bits, not bytes (N T^2 each):
-      - 4 (T H + T I) - 4 (H + I) - 2 x 7/8 N T^2."""
+      - 4 (T H + T I) - 4 (H + I) - 2 x 7/8 N T^2;
+    - layers 0 and 2 keep their attention's K and V (T x 2H; model._KvKeepingLinear), so that
+      their recomputation computes Q alone: + 2 x 4 x 2 T H."""
     T, H, I, N = 32, CFG["hidden_size"], CFG["intermediate_size"], CFG["num_attention_heads"]
 
     def kept(m) -> int:
@@ -194,7 +220,8 @@ def test_alternate_trades_the_feed_forward_of_wrapped_layers_for_selective_plain
             return m.loss_sum(m(ids, None, torch.zeros_like(ids)), torch.zeros(b, dtype=torch.long))
         return activation_bytes_per_sequence(m, loss_of, torch.device("cpu"))
 
-    assert kept(make("alternate")) - kept(make("every:2")) == 4 * (T * H + T * I) - 4 * (H + I) - 7 * N * T * T // 4
+    assert kept(make("alternate")) - kept(make("every:2")) == \
+        4 * (T * H + T * I) - 4 * (H + I) - 7 * N * T * T // 4 + 2 * 4 * 2 * T * H
 
 
 def test_every_2_keeps_no_more_for_its_shorter_recomputation():

@@ -288,8 +288,8 @@ def recomputed_layers(policy: str, mcfg, length: int, device) -> float:
     """Layers' forwards a policy reruns in backward, in matmul FLOPs: 1 per wrapped layer, less the
     share of its feed-forward's second matmul (2hI of the layer's 8h^2 + 4hI + 4sh per token)
     where its recomputation stops before it (CPU, every wrapped layer but the last:
-    policies.wrap_layers); under alternate, whose wrapped layers keep their feed-forward's tensors,
-    their attention's share, 8h^2 + 4sh."""
+    policies.wrap_layers); under alternate, whose wrapped layers keep their feed-forward's tensors
+    and their attention's K and V, the Q and output projections and the attention, 4h^2 + 4sh."""
     from . import policies
 
     if policy in ("none", "selective", "offload"):
@@ -297,7 +297,7 @@ def recomputed_layers(policy: str, mcfg, length: int, device) -> float:
     chosen = policies.ckpt_layer_indices(policy, mcfg.num_hidden_layers)
     h, i = mcfg.hidden_size, mcfg.intermediate_size
     if policy == "alternate":
-        return len(chosen) * (8 * h * h + 4 * length * h) / (8 * h * h + 4 * h * i + 4 * length * h)
+        return len(chosen) * (4 * h * h + 4 * length * h) / (8 * h * h + 4 * h * i + 4 * length * h)
     second = 2 * h * i / (8 * h * h + 4 * h * i + 4 * length * h)
     stops = sum(1 for k in chosen if k < mcfg.num_hidden_layers - 1) if device.type == "cpu" else 0
     return len(chosen) - stops * second

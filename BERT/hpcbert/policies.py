@@ -18,14 +18,16 @@ backward is the policy:
                              the probabilities' or the activation's bytes at bf16), which the
                              recomputation takes instead of drawing them again
     alternate                layers 0, 2, 4, ... (the 2020 kit's choice, every:2's) are recomputed
-                             from their input, but only their attention (Q/K/V, attention, output
-                             projection, LayerNorm): they keep their feed-forward's tensors (a
-                             GELU's output excepted) and, on CPU, the attention's and output
-                             projection's dropout masks as bits, which the recomputation takes
-                             instead of drawing them again. The
-                             other layers keep what `selective` keeps. About every:2's bytes;
-                             it reruns 8h^2 + 4sh of a layer's 8h^2 + 4hI + 4sh matmul FLOPs per
-                             token (bert-base, length 128: 35%, every:2 68%; hpcbert.plan)
+                             from their input, but only their attention (the Q projection,
+                             attention, output projection, LayerNorm): they keep their
+                             feed-forward's tensors (a GELU's output excepted), their attention's
+                             K and V (model._KvKeepingLinear: 2H a token, so that the
+                             recomputation computes Q alone) and, on CPU, the attention's and
+                             output projection's dropout masks as bits, which the recomputation
+                             takes instead of drawing them again. The other layers keep what
+                             `selective` keeps. About every:2's bytes; it reruns 4h^2 + 4sh of a
+                             layer's 8h^2 + 4hI + 4sh matmul FLOPs per token (bert-base, length
+                             128: 19%, every:2 68%; hpcbert.plan)
     selective                (every layer) what none keeps, less what is cheap to redo from what
                              it keeps anyway: a GELU's output (from its input, the feed-forward's
                              matmul output, which the GELU's backward keeps) and a LayerNorm's
@@ -205,6 +207,7 @@ def wrap_layers(model: nn.Module, policy: str) -> list[int]:
         for i in range(len(layers)):
             if i in chosen:
                 layers[i].ffn_hooks = (ffn.pack, ffn.unpack)
+                layers[i].attention.self.keep_kv = True
             else:
                 layers[i].attention.self.pack_dropout_mask = True
                 layers[i] = checkpoint_wrapper(layers[i], checkpoint_fn=plain)
@@ -236,6 +239,7 @@ def unwrap_layers(model: nn.Module) -> None:
         if isinstance(layer, CheckpointWrapper):
             layers[i] = layer._checkpoint_wrapped_module
             layers[i].attention.self.pack_dropout_mask = layers[i].attention.self.reuse_dropout_mask = False
+            layers[i].attention.self.keep_kv = False
         layers[i].attention.output.reuse_dropout_mask = layers[i].output.reuse_dropout_mask = False
         layers[i].output.keep_output_only = False
         layers[i].ffn_hooks = None
