@@ -199,9 +199,10 @@ def wrap_layers(model: nn.Module, policy: str) -> list[int]:
             layers[i].output.keep_output_only = i in chosen or i + 1 in chosen
     if policy == "alternate":
         # The recomputed layers keep their feed-forward's saved tensors (a GELU's output excepted,
-        # redone from its input) and recompute their attention only: Q/K/V, attention, output
-        # projection and LayerNorm. The other layers keep what `selective` keeps. What the first
-        # keep and the second stop keeping are about equal (results/pareto/: bytes as every:2's).
+        # redone from its input) and their attention's K and V, and recompute their attention
+        # only: the Q projection, attention, output projection and LayerNorm. The other layers keep
+        # what `selective` keeps. What the first keep and the second stop keeping are about equal
+        # (results/pareto/: bytes about every:2's).
         ffn = _SelectiveHooks(model, layer_norms=False)
         plain = functools.partial(_selective_in_training, hooks=_SelectiveHooks(model))
         for i in range(len(layers)):
