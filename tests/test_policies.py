@@ -169,6 +169,22 @@ def test_alternate_recomputes_the_query_projection_alone(precision):
     assert backward_flops(make("alternate")) - backward_flops(make("none")) == 2 * per_layer
 
 
+def test_alternate_frees_the_kept_keys_and_values_in_backward():
+    """The K and V an alternate layer keeps for its recomputation are freed by its backward, not
+    when the graph goes: the training step holds its last loss through the optimizer step."""
+    from hpcbert import model as model_module
+
+    m = make("alternate")
+    ids, mask, types, labels = batch()
+    loss = m.loss_sum(m(ids, mask, types), labels)
+    kept = list(model_module._KEPT_KV.values())
+    assert len(kept) == 2 and all(node.kv is not None for node in kept)  # layers 0 and 2
+    loss.backward()
+    assert all(node.kv is None for node in kept)
+    del loss, kept
+    assert len(model_module._KEPT_KV) == 0
+
+
 def test_backward_draws_no_dropout_mask_again(monkeypatch):
     """Masks drawn during backward (model.keep_mask), 4 layers: none. A recomputed layer takes its
     dropout masks from the bits its forward kept (its attention's; its output projection's; its

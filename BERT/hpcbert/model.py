@@ -664,7 +664,7 @@ class _KvKeepingLinear(torch.autograd.Function):
                weight.untyped_storage()._cdata, weight._version)
         first = _KEPT_KV.get(key)
         with torch.autocast(dev, enabled=False):
-            if first is None:
+            if first is None or first.kv is None:  # (None: a backward through the graph freed them)
                 out = F.linear(xc, wc, bc)
                 ctx.kv = out[:, H:].clone()
                 _KEPT_KV[key] = ctx
@@ -676,6 +676,10 @@ class _KvKeepingLinear(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout):
+        # The recomputation that read K and V ran before this (the projection is the first thing
+        # the recomputed layer does, so its backward comes last): free them now, not when the graph
+        # goes (the training step holds its last loss through the optimizer step)
+        ctx.kv = None
         xc, wc = ctx.saved_tensors
         x_dtype, w_dtype, b_dtype = ctx.dtypes
         dout = dout.to(xc.dtype)
