@@ -55,6 +55,27 @@ class _NoSync:
             setattr(torch.Tensor, n, f)
 
 
+def test_a_step_lets_its_graph_go_before_the_optimizer_step(monkeypatch, tmp_path):
+    """What a checkpointed layer's autograd nodes hold outside their saved tensors (under alternate:
+    the kept K and V, a LayerNorm's kept output, dropout-mask bits) goes with the graph. The step
+    lets the graph go after each micro-batch's backward, so by gradient clipping, just before the
+    optimizer step, nothing of it is held: every registry of kept tensors is empty (bert-tiny's
+    layer 0 is recomputed; two micro-batches a step)."""
+    from hpcbert import train as train_module
+
+    seen = []
+    real_clip = train_module.clip_grad_norm
+
+    def clip(params, max_norm):
+        seen.append((len(model._KEPT_KV), len(model._DRAWN_MASKS)))
+        return real_clip(params, max_norm)
+
+    monkeypatch.setattr(train_module, "clip_grad_norm", clip)
+    train(RunConfig(**TINY, grad_ckpt="alternate", grad_accum=2, max_steps=2,
+                    do_eval=False, save_model=False, out=str(tmp_path / "run")))
+    assert seen == [(0, 0), (0, 0)]
+
+
 def test_a_step_reads_no_tensor_value_on_the_host(tmp_path, monkeypatch):
     # Reads are allowed of CPU tensors only, through model.cpu_value (which refuses any other
     # device): clipping's "is the norm within the bound?" once per step, and each CPU dropout

@@ -480,6 +480,10 @@ class Trainer:
                     loss = self.obj.loss(self.raw, out, batch, norm) * (weight * d.world_size)
                 self.scaler.scale(loss).backward()
             loss_acc += loss.detach()
+            # The graph goes now, not when these names are next assigned: what its nodes hold
+            # outside their saved tensors (a checkpointed layer's kept output, K and V, mask bits)
+            # would stay through the next micro-batch's forward and the optimizer step
+            del out, loss
         self.scaler.unscale_(self.optimizer)
         grad_norm = clip_grad_norm(self.raw.parameters(), cfg.max_grad_norm)
         self.scaler.step(self.optimizer)
