@@ -6,11 +6,9 @@ errors that leave no run directory, and the objective protocol."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
