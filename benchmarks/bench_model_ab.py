@@ -7,8 +7,8 @@ an earlier commit, training on the same batches in one process.
 The earlier model file is read with `git show REV:BERT/hpcbert/model.py` and imported beside the
 current one (the model file imports nothing of hpcbert's). Both models get the same weights
 (minilm-l6 shape, random, the current model's state_dict loaded into the earlier one), dropout on,
-fp32 (`--precision bf16`: under bf16 autocast, as a bf16 run trains), AdamW (fused). Three workloads, the lengths hpcbert's length-grouped sampler gives each task
-on minilm-l6's vocabulary: SST-2 (classifier, batch 32, lengths 10-20, within 2 of each other),
+fp32 (`--precision bf16`: under bf16 autocast, as a bf16 run trains), AdamW (fused). Three
+workloads, the lengths hpcbert's length-grouped sampler gives each task on minilm-l6's vocabulary: SST-2 (classifier, batch 32, lengths 10-20, within 2 of each other),
 MRPC (classifier, batch 32, lengths 40-60, within 2) and SQuAD v1.1 (span head, batch 16, windows
 of 140-200 tokens, within 7). Each batch runs a whole training step (forward, backward, optimizer)
 on both models in alternating order, so machine noise hits both alike; the figure is the median
@@ -38,7 +38,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 import _small_bench  # noqa: E402
-from hpcbert import model as current, zoo  # noqa: E402
+from hpcbert import model as current, policies, zoo  # noqa: E402
 
 # name: (head, batch, lowest and highest first length, spread within a batch)
 WORKLOADS = {"sst-2": ("classifier", 32, (10, 20), 2), "mrpc": ("classifier", 32, (40, 60), 2),
@@ -162,8 +162,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(a.threads)
         with tempfile.TemporaryDirectory() as tmp:
             earlier = load_model_file(a.rev, Path(tmp))
-            cast = (contextlib.nullcontext if a.precision == "fp32"
-                    else functools.partial(torch.autocast, "cpu", dtype=torch.bfloat16))
+            cast = functools.partial(policies.autocast, a.precision, torch.device("cpu"))
             rows = [measure(earlier, w, a.steps, a.threads, autocast=cast) for w in a.workloads.split(",")]
         dirty = subprocess.run(["git", "status", "--porcelain", "BERT/hpcbert/model.py"], cwd=ROOT,
                                capture_output=True, text=True).stdout.strip()

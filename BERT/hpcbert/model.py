@@ -585,6 +585,13 @@ def _has_autocast(device_type: str) -> bool:
     return torch.amp.is_autocast_available(device_type) if ok is None else ok
 
 
+def _autocast_dtype(device_type: str) -> torch.dtype | None:
+    """Autocast's dtype on this device type where it is on there, else None."""
+    if _has_autocast(device_type) and torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return None
+
+
 class LayerNorm(nn.LayerNorm):
     """nn.LayerNorm (the same parameters, names and fp32 arithmetic inside the kernel) that under
     bf16/fp16 autocast, with `low_precision` on, takes its input in autocast's dtype and returns
@@ -602,10 +609,7 @@ class LayerNorm(nn.LayerNorm):
 
     def autocast_dtype(self, x: torch.Tensor) -> torch.dtype | None:
         """The dtype this LayerNorm runs in at `x` when it leaves autocast's rule; None when it follows it."""
-        t = x.device.type
-        if self.low_precision and _has_autocast(t) and torch.is_autocast_enabled(t):
-            return torch.get_autocast_dtype(t)
-        return None
+        return _autocast_dtype(x.device.type) if self.low_precision else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dt = self.autocast_dtype(x)
@@ -654,7 +658,7 @@ class _KvKeepingLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias):
         dev = x.device.type
-        dtype = torch.get_autocast_dtype(dev) if _has_autocast(dev) and torch.is_autocast_enabled(dev) else x.dtype
+        dtype = _autocast_dtype(dev) or x.dtype
         xc, wc, bc = x.to(dtype), weight.to(dtype), bias.to(dtype)
         H = weight.shape[0] // 3
         # Identifies the forward's input and weight as they were: the input is held by the graph
