@@ -490,7 +490,6 @@ def hf_worker(argv: list[str]) -> int:
 
     import numpy as np
     import torch
-    import datasets
     import transformers
     from transformers import (AutoModelForSequenceClassification, AutoTokenizer, DataCollatorWithPadding,
                               TrainingArguments, default_data_collator)
@@ -500,7 +499,6 @@ def hf_worker(argv: list[str]) -> int:
     from hpcbert.zoo import minilm_dir
 
     torch.set_num_threads(a.threads)
-    datasets.disable_progress_bars()
     model_dir = str(minilm_dir()) if a.model == "minilm-l6" else None
     train_ex = read_split(a.data_dir, a.task, "train")
     dev_ex = read_split(a.data_dir, a.task, "dev")
@@ -513,12 +511,12 @@ def hf_worker(argv: list[str]) -> int:
     pairs = train_ex[0].text_b is not None
 
     def to_dataset(examples):
-        cols = {"sentence1": [e.text_a for e in examples], "label": [int(e.label) for e in examples]}
-        if pairs:
-            cols["sentence2"] = [e.text_b for e in examples]
-        ds = datasets.Dataset.from_dict(cols)
-        return ds.map(lambda b: tok(b["sentence1"], *([b["sentence2"]] if pairs else []), padding=pad,
-                                    max_length=SEQ_LEN, truncation=True), batched=True, keep_in_memory=True)
+        # a list of feature dicts, which the Trainer, its samplers and collators take as a dataset
+        # (what run_glue.py's datasets.Dataset.map gives after its text columns are dropped), so the
+        # worker needs no `datasets` package (a GPU image may lack it)
+        enc = tok([e.text_a for e in examples], *([[e.text_b for e in examples]] if pairs else []), padding=pad,
+                  max_length=SEQ_LEN, truncation=True)
+        return [{**{k: v[i] for k, v in enc.items()}, "label": int(e.label)} for i, e in enumerate(examples)]
 
     train_ds, dev_ds = to_dataset(train_ex), to_dataset(dev_ex)
     collator = default_data_collator if a.padding == "max_length" else \
@@ -604,7 +602,7 @@ def hf_worker(argv: list[str]) -> int:
     if a.do_eval:
         pred = trainer.predict(dev_ds)
         preds = np.argmax(pred.predictions, axis=-1)
-        labels = np.asarray(dev_ds["label"])
+        labels = np.asarray([f["label"] for f in dev_ds])
         result["eval"] = {"dev": {"f1": f1_binary(preds, labels), "accuracy": accuracy(preds, labels)}}
     write_json(Path(a.out), result)
     return 0

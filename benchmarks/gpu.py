@@ -209,19 +209,23 @@ def cmd_mfu(a) -> int:
     doc = C.header("gpu-mfu", a.threads)
     doc["settings"] = {"task": a.task, "model": a.model, "max_seq_length": C.SEQ_LEN, "precision": "bf16",
                        "steps": a.steps, "warmup_steps_excluded": a.warmup_excluded, "compile": a.compile,
-                       "norm_precision": a.norm_precision}
+                       "norm_precision": a.norm_precision, "token_multiple": a.token_multiple}
     if a.task == "mlm":
         doc["settings"]["data"] = pretraining_data(a.data_dir)
     doc["runs"] = []
     path = Path(a.results_dir) / MFU_FILES[a.task]
-    for B, comp, norms in itertools.product(a.batches, a.compile.split(","), a.norm_precision.split(",")):
+    for B, comp, norms, mult in itertools.product(a.batches, a.compile.split(","), a.norm_precision.split(","),
+                                                  a.token_multiple.split(",")):
             args = [*task_args(a, B, a.steps), "--model", a.model, "--max-seq-length", str(C.SEQ_LEN), "--batch-size",
                     str(B), "--precision", "bf16", "--max-steps", str(a.steps), "--warmup-steps-excluded", str(a.warmup_excluded), "--no-do-eval",
                     "--no-save-model", "--compile", comp, "--norm-precision", norms, "--log-every", "1"]
+            if mult != "auto":
+                args += ["--token-multiple", mult]
             if a.tokenizer:
                 args += ["--tokenizer", a.tokenizer]
-            s = C.hpcbert_run(f"gpu-mfu-{a.task}-b{B}-compile-{comp}-norms-{norms}", work, a.threads, args)
+            s = C.hpcbert_run(f"gpu-mfu-{a.task}-b{B}-compile-{comp}-norms-{norms}-tm-{mult}", work, a.threads, args)
             rec = {"batch": B, "compile": comp, "norm_precision": s.get("norm_precision"), "mfu": s.get("mfu"),
+                   "token_multiple": s.get("token_multiple"),
                    "peak_flops": s.get("peak_flops"),
                    "peak_flops_source": s.get("peak_flops_source"),
                    "model_flops_per_sec": s.get("model_flops_per_sec"),
@@ -230,7 +234,8 @@ def cmd_mfu(a) -> int:
                    "steady_step_time_s": s["steady_step_time_s"], "wall_s": s["_wall_s"],
                    "attention": s.get("attention"), "argv": s["_argv"]}
             doc["runs"].append(rec)
-            say(f"mfu batch {B} compile {comp} norms {norms}: {rec['steady_sequences_per_sec']:.0f} seq/s, "
+            say(f"mfu batch {B} compile {comp} norms {norms} token multiple {rec['token_multiple']}: "
+                f"{rec['steady_sequences_per_sec']:.0f} seq/s, "
                 f"MFU {rec['mfu'] or 0:.1%}")
             C.write_json(path, doc)
     print(render(Path(a.results_dir)))
@@ -558,8 +563,9 @@ def render(results: Path = RESULTS) -> str:
             continue
         doc = C.read_json(results / name)
         # a run from before --norm-precision ran its LayerNorms in fp32
+        # a run from before --token-multiple had no filler rows (1)
         rows = [[_run_commit(doc, r), str(r["batch"]), r["compile"],
-                 r.get("norm_precision") or "fp32",
+                 r.get("norm_precision") or "fp32", str(r.get("token_multiple") or 1),
                  f"{r['steady_sequences_per_sec']:.0f}", f"{r['tokens_per_sec']:.0f}",
                  f"{r['tokens_per_sec'] / r['steady_sequences_per_sec']:.1f}",
                  f"{r['model_flops_per_sec'] / 1e12:.0f}" if r["model_flops_per_sec"] else "—",
@@ -580,7 +586,7 @@ def render(results: Path = RESULTS) -> str:
                     "output projection and feed-forward at [CLS] only (and, in runs of commits after 6d701e8, the pooler "
                     "and the classifier at [CLS]: 0.01% of them)")
         out += [f"## MFU: {s['model']}, {what[0]}, {s['precision']}", "",
-                markdown_grid(["commit", "batch", "--compile", "--norm-precision", "seq/s", "real tokens/s",
+                markdown_grid(["commit", "batch", "--compile", "--norm-precision", "--token-multiple", "seq/s", "real tokens/s",
                                "real tokens/seq", "model TFLOP/s", "MFU"], rows).rstrip("\n"),
                 "", f"{what[1]}. {s['steps']} steps, the first {s['warmup_steps_excluded']} left out; peak: "
                 f"{doc['runs'][0]['peak_flops_source'] if doc['runs'] else '—'}.", "",
@@ -737,6 +743,8 @@ def main(argv: list[str] | None = None) -> int:
     m.add_argument("--warmup-excluded", type=int, default=10)
     m.add_argument("--compile", default="off", help="comma-separated --compile values to run")
     m.add_argument("--norm-precision", default="low,fp32", help="comma-separated --norm-precision values to run")
+    m.add_argument("--token-multiple", default="auto", help="comma-separated --token-multiple values to run "
+                   "(auto: hpcbert's default, not passed)")
     workload(m)
     f = sub.add_parser("profile")
     common(f)

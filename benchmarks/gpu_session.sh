@@ -41,15 +41,16 @@ PARTS=" ${PARTS:-mfu large tests} "
 [[ $PARTS == *" throughput "* ]] && part "${T_THROUGHPUT:-300}" throughput \
     python3 benchmarks/gpu.py throughput --data-dir "$GLUE" "${tok[@]}" ${THROUGHPUT_ARGS:---repeats 1} --results-dir "$OUT"
 # MFU eager, then compiled (MFU_COMPILE=off skips the compile; its first steps compile, left out),
-# each with the LayerNorms in bf16 and in fp32 (MFU_NORMS=low: bf16 only)
+# each with the LayerNorms in bf16 and in fp32 (MFU_NORMS=low: bf16 only), MFU_TOKEN_MULTIPLE=1,64: without and
+# with filler rows
 [[ $PARTS == *" mfu "* ]] && part "${T_MFU:-180}" mfu python3 benchmarks/gpu.py mfu "${tok[@]}" \
-    --compile "${MFU_COMPILE:-off,on}" --norm-precision "${MFU_NORMS:-low,fp32}" --batches "${MFU_BATCHES:-256}" \
+    --compile "${MFU_COMPILE:-off,on}" --norm-precision "${MFU_NORMS:-low,fp32}" --batches "${MFU_BATCHES:-256}" --token-multiple "${MFU_TOKEN_MULTIPLE:-auto}" \
     --results-dir "$OUT"
 # MFU on masked-LM pre-training (PARTS=mfu-mlm): PRETRAIN_DATA is a folder hpcbert prepare-pretraining
 # wrote (the machine may have no raw text: prepare it beside the checkout and carry it)
 [[ $PARTS == *" mfu-mlm "* ]] && part "${T_MFU_MLM:-180}" mfu-mlm python3 benchmarks/gpu.py mfu "${tok[@]}" \
     --task mlm --data-dir "${PRETRAIN_DATA:-.gpudata/pretrain}" \
-    --compile "${MFU_COMPILE:-off,on}" --norm-precision "${MFU_NORMS:-low}" --batches "${MFU_BATCHES:-256}" \
+    --compile "${MFU_COMPILE:-off,on}" --norm-precision "${MFU_NORMS:-low}" --batches "${MFU_BATCHES:-256}" --token-multiple "${MFU_TOKEN_MULTIPLE:-auto}" \
     --results-dir "$OUT"
 # where the eager step's time goes (torch.profiler, a run of its own; PROFILE_COMPILE=off,on adds compiled;
 # PARTS=profile-mlm: the pre-training step's)

@@ -81,6 +81,7 @@ def make_run(parent: str | Path, name: str, *, config: dict[str, Any] | None = N
         "nonfinite_grad_steps": 0,
         "time_to_target_s": None, "steps_to_target": None, "tokens_to_target": None, "host_allocator": "system",
         "norm_precision": "fp32" if cfg.precision == "fp32" else cfg.norm_precision,
+        "token_multiple": cfg.token_multiple or 1,
     }
     unknown = set(summary) - set(SUMMARY_KEYS)
     assert not unknown, f"not summary keys: {unknown}"

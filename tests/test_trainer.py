@@ -434,3 +434,34 @@ def test_the_summary_says_in_what_precision_the_layer_norms_ran(tmp_path):
     assert ran("bf16", precision="bf16") == ("low", "low")
     assert ran("bf16-fp32", precision="bf16", norm_precision="fp32") == ("fp32", "fp32")
     assert ran("fp32", precision="fp32", norm_precision="low") == ("fp32", "fp32")
+
+
+def test_filler_rows_train_the_same_losses_and_the_summary_says_how_many(tmp_path, monkeypatch):
+    """--token-multiple 64 (each padded micro-batch's rows rounded up with filler rows no head reads)
+    trains and evaluates as the run without filler, dropout off (a filler row draws dropout too); the
+    summary records the multiple, 1 on CPU where not given."""
+    rows, build = [], model.Tokens.build
+
+    def spy(*a, **k):
+        t = build(*a, **k)
+        rows.append((sum(t.lengths), t.fill))
+        return t
+
+    monkeypatch.setattr(model.Tokens, "build", spy)
+
+    def run(name, **kw):
+        rows.clear()
+        cfg = RunConfig(**{**TINY, **kw}, dropout=0.0, max_steps=4, do_eval=True, save_model=False,
+                        out=str(tmp_path / name))
+        s = train(cfg)
+        return [m["loss"] for m in read_metrics(tmp_path / name)], s, list(rows)
+
+    plain, s1, rows1 = run("plain")
+    filled, s64, rows64 = run("filled", token_multiple=64)
+    assert (s1["token_multiple"], s64["token_multiple"]) == (1, 64)
+    assert rows1 and all(f == 0 for _, f in rows1)
+    assert all((n + f) % 64 == 0 and f < 64 for n, f in rows64 if f) and any(f for _, f in rows64)
+    assert len(plain) == 4 and filled == pytest.approx(plain, rel=1e-6)
+    assert s64["eval"]["dev"] == pytest.approx(s1["eval"]["dev"], rel=1e-6)
+    with pytest.raises(ValueError, match="token_multiple: 0; a positive number"):
+        RunConfig(**TINY, token_multiple=0)

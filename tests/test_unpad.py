@@ -83,23 +83,32 @@ def assert_same_grads(grads, ref, tol=1e-5, exact=None):
             f"gradient of {name} is {err / scale:.2e} relative from fp64 (the fp32 reference: {ref_err / scale:.2e})")
 
 
+def filler_tokens(mask: torch.Tensor, multiple: int) -> Tokens:
+    """The layout of `padded_batch` (81 real tokens, T = 21) with its rows rounded up to `multiple`:
+    8 adds 7 filler rows (one filler sequence), 64 adds 47 (sequences of 21, 21 and 5)."""
+    return Tokens.from_lengths(mask.sum(1).numpy(), mask, mask.device, multiple)
+
+
+@pytest.mark.parametrize("multiple", [1, 8, 64])
 @pytest.mark.parametrize("policy", ["none", "alternate", "all", "selective", "offload"])
-def test_loss_and_gradients_equal_hf_padded_model(policy):
+def test_loss_and_gradients_equal_hf_padded_model(policy, multiple):
+    """With and without filler rows (--token-multiple), which no head reads."""
     ours, hf = ours_and_hf(policy)
     ids, mask, types, labels = padded_batch()
     ref_loss, ref_grads = hf_loss_and_grads(hf, ids, mask, types, labels)
-    loss = ours.loss_sum(ours(ids, mask, types), labels)
+    loss = ours.loss_sum(ours(ids, filler_tokens(mask, multiple), types), labels)
     loss.backward()
     assert torch.allclose(loss, ref_loss, rtol=1e-6, atol=0)
     assert_same_grads(our_grads(ours), ref_grads)
 
 
-def test_sequence_output_is_hf_at_real_tokens_and_zero_at_padding():
+@pytest.mark.parametrize("multiple", [1, 64])
+def test_sequence_output_is_hf_at_real_tokens_and_zero_at_padding(multiple):
     ours, hf = ours_and_hf()
     ours.eval(), hf.eval()
     ids, mask, types, _ = padded_batch()
     with torch.no_grad():
-        seq, pooled = ours.bert(ids, mask, types)
+        seq, pooled = ours.bert(ids, filler_tokens(mask, multiple), types)
         ref = hf.bert(input_ids=ids, attention_mask=mask.long(), token_type_ids=types)
     assert (seq - ref.last_hidden_state)[mask].abs().max() <= 1e-5
     assert (pooled - ref.pooler_output).abs().max() <= 1e-5
@@ -380,7 +389,7 @@ def test_offload_is_refused_without_cuda():
 def test_cuda_kernels_match_the_cpu_model(dtype, monkeypatch):
     """On a GPU: flash varlen (bf16) or the padded SDPA path (fp32), dropout off, against the CPU
     kernel's fp32 gradients on the same weights; offload and selective run there and give the same
-    gradients. bf16 rounding alone moves a gradient by a few percent (2.7% for the position
+    gradients, and so do filler rows (--token-multiple), eager and compiled. bf16 rounding alone moves a gradient by a few percent (2.7% for the position
     embeddings on an H100), so in bf16 each gradient may differ from fp32's by up to twice what
     PyTorch's own padded SDPA path in bf16 does, or 2%."""
     from hpcbert import model as M
@@ -391,7 +400,7 @@ def test_cuda_kernels_match_the_cpu_model(dtype, monkeypatch):
     loss.backward()
     ref = our_grads(ours)
 
-    def gpu_grads(policy: str, compiled: bool = False) -> dict[str, torch.Tensor]:
+    def gpu_grads(policy: str, compiled: bool = False, multiple: int = 1) -> dict[str, torch.Tensor]:
         torch.manual_seed(0)
         gpu = BertForSequenceClassification(BertConfig(**TINY, **NO_DROPOUT)).cuda()
         gpu.load_state_dict(ours.state_dict())
@@ -399,7 +408,7 @@ def test_cuda_kernels_match_the_cpu_model(dtype, monkeypatch):
         # compiled: one graph, the attention kernels traced into it (fullgraph fails on a break);
         # the layout built outside it, as the training loop's Batch.to does
         run = torch.compile(gpu, dynamic=True, fullgraph=True) if compiled else gpu
-        tokens = Tokens.of(mask.cuda(), *ids.shape, torch.device("cuda"))
+        tokens = filler_tokens(mask.cuda(), multiple)  # multiple > 1: filler rows, sequences of their own
         with torch.autocast("cuda", dtype=dtype, enabled=dtype != torch.float32):
             out = run.train()(ids.cuda(), tokens, types.cuda())
         gpu.loss_sum(out, labels.cuda()).backward()
@@ -415,20 +424,22 @@ def test_cuda_kernels_match_the_cpu_model(dtype, monkeypatch):
     if dtype == torch.float32:
         for policy in ("none", "offload", "selective"):
             assert_same_grads(gpu_grads(policy), ref, tol=1e-4)
+        assert_same_grads(gpu_grads("none", multiple=64), ref, tol=1e-4)
         assert_same_grads(gpu_grads("none", compiled=True), ref, tol=1e-4)
+        assert_same_grads(gpu_grads("none", compiled=True, multiple=64), ref, tol=1e-4)
         return
     with monkeypatch.context() as m:  # PyTorch's SDPA on the padded layout, in bf16: the rounding scale
         m.setattr(M, "_flash_varlen_ok", lambda *a: False)
         padded = gpu_grads("none")
     bound = {k: max(0.02, 2 * rel(g, ref[k])) for k, g in padded.items()}
-    for policy in ("none", "offload", "selective"):
-        grads = gpu_grads(policy)
+    for policy, compiled, multiple in (("none", False, 1), ("offload", False, 1), ("selective", False, 1),
+                                       ("alternate", False, 64), ("none", False, 64), ("none", True, 1),
+                                       ("none", True, 64)):
+        grads = gpu_grads(policy, compiled, multiple)
         assert grads.keys() == ref.keys()
         worst = {k: rel(g, ref[k]) for k, g in grads.items() if rel(g, ref[k]) > bound[k]}
-        assert not worst, f"{policy}: gradients beyond twice bf16 SDPA's distance from fp32: {worst}"
-    grads = gpu_grads("none", compiled=True)
-    worst = {k: rel(g, ref[k]) for k, g in grads.items() if rel(g, ref[k]) > bound[k]}
-    assert not worst, f"compiled: gradients beyond twice bf16 SDPA's distance from fp32: {worst}"
+        assert not worst, (f"{policy}, compiled {compiled}, token multiple {multiple}: gradients beyond twice "
+                           f"bf16 SDPA's distance from fp32: {worst}")
 
 
 def test_attention_is_a_graph_break_on_cpu_only():
@@ -510,9 +521,35 @@ def test_tokens_from_host_lengths_are_the_tokens_of_the_mask():
         m(ids[:, :5], b, types[:, :5])
 
 
-@pytest.mark.parametrize("policy", ["none", "alternate", "selective"])
+def test_filler_rows_round_the_rows_up_and_copy_a_padding_position():
+    """Batch.to(device, 64): 81 real tokens (21 + 13 + 13 + 4 + 21 + 9) take 47 filler rows to 128,
+    each a copy of a padding position (row 3, length 4: position 3 * 21 + 4), attending as sequences
+    of at most T = 21 (21, 21, 5) after the real ones; [CLS] rows, padding back and the real rows'
+    positions are those without filler. A batch without padding gets none (its rows repeat already)."""
+    import numpy as np
+
+    from hpcbert.data.features import Batch
+
+    ids, mask, types, labels = padded_batch()
+    lengths = mask.sum(1).numpy()
+    plain = Tokens.of(mask, *ids.shape, torch.device("cpu"))
+    t = Batch(ids, types, mask, labels, 81, lengths).to(torch.device("cpu"), 64).tokens
+    assert t.index.shape[0] == 128 and t.fill == 47
+    assert torch.equal(t.index[:81], plain.index) and set(t.index[81:].tolist()) == {3 * 21 + 4}
+    assert t.cu_seqlens.tolist() == [0, 21, 34, 47, 51, 72, 81, 102, 123, 128]
+    assert t.groups[-2:] == [(81, 2, 21), (123, 1, 5)] and t.max_len == 21
+    assert torch.equal(t.first_rows(), plain.first_rows()) and torch.equal(t.positions()[:81], plain.positions())
+    x = torch.randn(128, 3)
+    assert torch.equal(t.pad(x), plain.pad(x[:81]))
+    assert Batch(ids, types, mask, labels, 81, lengths).to(torch.device("cpu"), 27).tokens.index.shape[0] == 81
+    full = Batch(ids, types, None, labels, ids.numel(), np.full(6, 21)).to(torch.device("cpu"), 64).tokens
+    assert full.index is None and full.fill == 0
+
+
+@pytest.mark.parametrize("policy, multiple", [("none", 1), ("alternate", 1), ("selective", 1), ("none", 64),
+                                              ("alternate", 64)])
 @pytest.mark.parametrize("head", ["BertForMaskedLM", "BertForPreTraining"])
-def test_masked_lm_heads_reading_the_masked_rows_equal_hf_full_model(head, policy):
+def test_masked_lm_heads_reading_the_masked_rows_equal_hf_full_model(head, policy, multiple):
     """The last layer runs at the masked positions only (and [CLS] for next-sentence): loss and every
     gradient equal transformers' model, which computes every position, gathered at the same places."""
     from hpcbert import model as M
@@ -543,7 +580,7 @@ def test_masked_lm_heads_reading_the_masked_rows_equal_hf_full_model(head, polic
     hf64 = copy.deepcopy(hf).double()
     hf_loss(hf64)
     ref = hf_loss(hf)
-    got = ours(ids, mask, types, pos)
+    got = ours(ids, filler_tokens(mask, multiple), types, pos)
     loss = torch.nn.functional.cross_entropy(got if head == "BertForMaskedLM" else got[0], targets, reduction="sum")
     if head == "BertForPreTraining":
         loss = loss + torch.nn.functional.cross_entropy(got[1], labels, reduction="sum")

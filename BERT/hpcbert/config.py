@@ -193,6 +193,8 @@ class RunConfig:
     """Gradient checkpointing policy: none, alternate (every second layer reruns its attention in backward, the others keep what selective keeps), all, every:K, selective (every layer keeps what none keeps but its GELU outputs and the LayerNorm outputs a matmul reads, which backward recomputes: no matmul, attention or dropout draw runs again), offload (CUDA: saved activations wait in pinned host memory), or auto (hpcbert plan's fastest policy that fits this device's free memory)."""
     compile: str = "auto"
     """torch.compile the model: on, off, or auto (on where it was measured faster and exact: see policies.COMPILE_AUTO). --compile alone is on; config.json files of older runs with true/false read as on/off."""
+    token_multiple: int | None = None
+    """Round a padded batch's real-token count up to a multiple of N with filler rows that no head reads (at most N - 1 a micro-batch), so that the token-wise matmuls meet a few shapes again and again instead of a new one at nearly every step: on CUDA, cuBLAS picks a kernel for every new shape on the host (benchmarks/gpu.py hostcost). Default: 64 on CUDA, 1 (no filler) elsewhere. Losses and gradients are those without filler."""
     dropout: float | None = None
     """Override the model's dropout probabilities (hidden and attention)."""
     init_from: str | None = None
@@ -267,6 +269,8 @@ class RunConfig:
         self.grad_ckpt = parse_grad_ckpt(self.grad_ckpt)
         _choice("precision", self.precision, PRECISIONS)
         _choice("norm_precision", self.norm_precision, NORM_PRECISIONS)
+        if self.token_multiple is not None and self.token_multiple < 1:
+            raise ValueError(f"token_multiple: {self.token_multiple}; a positive number of rows (1: no filler)")
         _choice("optimizer", self.optimizer, OPTIMIZERS)
         _choice("sampler", self.sampler, SAMPLERS)
         _choice("lr_scaling", self.lr_scaling, LR_SCALINGS)

@@ -97,10 +97,13 @@ class Tokens:
     B: int
     T: int
     mask: torch.Tensor | None      # (B, T) bool, True = real token; None = nothing is padded
-    index: torch.Tensor | None     # (n,) positions b*T + t of the real tokens in the flat batch
+    index: torch.Tensor | None     # (n + fill,) positions b*T + t of the real tokens in the flat batch, then
+                                   # of the filler rows (a padding position, repeated)
     lengths: list[int]             # real tokens of each sequence (host ints)
-    cu_seqlens: torch.Tensor       # (B + 1,) int32: sequence b is rows cu_seqlens[b]:cu_seqlens[b+1]
+    cu_seqlens: torch.Tensor       # (B + 1 + k,) int32: sequence b is rows cu_seqlens[b]:cu_seqlens[b+1];
+                                   # the filler rows after them, k sequences of at most T rows
     groups: list[tuple[int, int, int]]  # runs of consecutive sequences of one length: (first row, sequences, length)
+    fill: int = 0                  # filler rows after the n real ones (`host_layout`'s multiple)
 
     @classmethod
     def of(cls, attention_mask: "torch.Tensor | Tokens | None", B: int, T: int, device: torch.device) -> "Tokens":
@@ -121,26 +124,47 @@ class Tokens:
         return cls.build(lengths, B, T, mask if index is not None else None, index, cls._host_cu(lengths).to(device))
 
     @classmethod
-    def from_lengths(cls, lengths, mask: torch.Tensor | None, device: torch.device) -> "Tokens":
+    def from_lengths(cls, lengths, mask: torch.Tensor | None, device: torch.device, multiple: int = 1) -> "Tokens":
         """From host lengths of a batch whose real tokens come first in every row (`collate`'s
-        layout) and its (B, T) mask on `device`: the index is computed on the host and copied."""
+        layout) and its (B, T) mask on `device`: the index is computed on the host and copied
+        (`multiple`: `host_layout`'s)."""
         lengths = np.asarray(lengths, dtype=np.int64)
         B, T = (len(lengths), int(lengths.max())) if mask is None else tuple(mask.shape)
-        index, cu = cls.host_layout(lengths, T)
+        index, cu = cls.host_layout(lengths, T, multiple)
         nb = device.type == "cuda"
         return cls.build(lengths.tolist(), B, T, None if index is None else mask.bool(),
                          None if index is None else index.to(device, non_blocking=nb), cu.to(device, non_blocking=nb))
 
     @staticmethod
-    def host_layout(lengths, T: int) -> tuple[torch.Tensor | None, torch.Tensor]:
+    def host_layout(lengths, T: int, multiple: int = 1) -> tuple[torch.Tensor | None, torch.Tensor]:
         """The layout's device tensors, computed on the host (CPU tensors, to be copied) from the
-        lengths of rows whose real tokens come first (`collate`'s layout): the (n,) index of the
-        real tokens (None when nothing is padded) and the (B + 1,) int32 cu_seqlens."""
+        lengths of rows whose real tokens come first (`collate`'s layout): the index of the real
+        tokens (None when nothing is padded) and the int32 cu_seqlens.
+
+        `multiple` > 1 rounds the row count of a padded batch up to a multiple of it with filler rows
+        (`filler`): copies of one padding position, attending among themselves as sequences of their
+        own, which no head reads. The token-wise matmuls then meet a few row counts again and again
+        instead of a new one at nearly every step, which on CUDA costs host time per call (cuBLAS
+        picks a kernel for each new shape; `benchmarks/gpu.py hostcost`)."""
         lengths = np.asarray(lengths, dtype=np.int64)
-        cu = Tokens._host_cu(lengths)
-        if int(lengths.sum()) == len(lengths) * T:
-            return None, cu
-        return torch.from_numpy(np.flatnonzero(np.arange(T)[None, :] < lengths[:, None])), cu
+        n = int(lengths.sum())
+        if n == len(lengths) * T:
+            return None, Tokens._host_cu(lengths)
+        index = np.flatnonzero(np.arange(T)[None, :] < lengths[:, None])
+        chunks = Tokens.filler(n, T, multiple)
+        if chunks:
+            b = int(lengths.argmin())  # a row with padding: its first padding position
+            index = np.concatenate([index, np.full(sum(chunks), b * T + int(lengths[b]), dtype=index.dtype)])
+        return torch.from_numpy(index), Tokens._host_cu([*lengths, *chunks])
+
+    @staticmethod
+    def filler(n: int, T: int, multiple: int) -> list[int]:
+        """The filler rows that take n real rows to a multiple of `multiple`, as sequences of at most T."""
+        return Tokens._chunks(-n % multiple if multiple > 1 else 0, T)
+
+    @staticmethod
+    def _chunks(fill: int, T: int) -> list[int]:
+        return [T] * (fill // T) + ([fill % T] if fill % T else [])
 
     @staticmethod
     def _host_cu(lengths) -> torch.Tensor:
@@ -148,29 +172,34 @@ class Tokens:
 
     @classmethod
     def build(cls, lengths: list[int], B: int, T: int, mask, index, cu: torch.Tensor) -> "Tokens":
-        """From host lengths and the device tensors of the layout (cu_seqlens given: `host_layout`)."""
+        """From host lengths and the device tensors of the layout (cu_seqlens and index given:
+        `host_layout`; filler rows where the index has more entries than real tokens)."""
+        n = sum(lengths)
+        fill = 0 if index is None else index.shape[0] - n
         groups, row = [], 0
-        for L in lengths:  # run-length encoding: equal lengths side by side attend as one batch
-            if groups and groups[-1][2] == L:
+        for L in [*lengths, *cls._chunks(fill, T)]:  # run-length encoding: equal lengths side by
+            if groups and groups[-1][2] == L:          # side attend as one batch
                 groups[-1] = (groups[-1][0], groups[-1][1] + 1, L)
             else:
                 groups.append((row, 1, L))
             row += L
-        return cls(B, T, mask, index, lengths, cu, groups)
+        return cls(B, T, mask, index, lengths, cu, groups, fill)
 
     @property
     def max_len(self) -> int:
-        return max(self.lengths)
+        """The longest sequence, filler's included."""
+        return max(L for _, _, L in self.groups)
 
     def unpad(self, x: torch.Tensor) -> torch.Tensor:
-        """(B, T, ...) -> (n, ...): the real tokens, sequence after sequence."""
+        """(B, T, ...) -> (n + fill, ...): the real tokens, sequence after sequence, then the filler."""
         flat = x.reshape(self.B * self.T, *x.shape[2:])
         return flat if self.index is None else flat.index_select(0, self.index)
 
     def pad(self, x: torch.Tensor) -> torch.Tensor:
-        """(n, ...) -> (B, T, ...), zeros at the padding."""
+        """(n + fill, ...) -> (B, T, ...), zeros at the padding (filler rows left out)."""
         if self.index is not None:
-            x = x.new_zeros(self.B * self.T, *x.shape[1:]).index_copy(0, self.index, x)
+            n = self.index.shape[0] - self.fill
+            x = x.new_zeros(self.B * self.T, *x.shape[1:]).index_copy(0, self.index[:n], x[:n])
         return x.view(self.B, self.T, *x.shape[1:])
 
     def positions(self) -> torch.Tensor:
@@ -185,7 +214,7 @@ class Tokens:
 
     def first_rows(self) -> torch.Tensor:
         """(B,) row of every sequence's first token ([CLS]) in the unpadded layout."""
-        return self.cu_seqlens[:-1].to(torch.int64)
+        return self.cu_seqlens[:self.B].to(torch.int64)
 
 
 def cpu_value(t: torch.Tensor):

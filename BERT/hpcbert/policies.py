@@ -329,6 +329,19 @@ def grad_scaler(precision: str, device: torch.device) -> torch.amp.GradScaler:
 COMPILE_AUTO = {"cpu": False, "cuda": False}
 
 
+# --token-multiple's default per device type (config.RunConfig.token_multiple): on CUDA a matmul at a
+# row count met before costs ~20-30 us of host time a call, at a new one up to ~100-200 us more,
+# and a kernel cuBLAS has not loaded yet makes the host wait for the device (benchmarks/gpu.py
+# hostcost, H200); an unpadded batch has a new row count at nearly every step. On CPU no gain was
+# measured (the rows computed for the filler would be a loss), so no filler.
+TOKEN_MULTIPLE_AUTO = {"cuda": 64}
+
+
+def resolve_token_multiple(value: int | None, device: torch.device) -> int:
+    """--token-multiple N, or the device's default where not given."""
+    return value if value is not None else TOKEN_MULTIPLE_AUTO.get(device.type, 1)
+
+
 def resolve_compile(mode: str, device: torch.device) -> bool:
     """--compile on | off | auto -> whether to compile."""
     return mode == "on" or (mode == "auto" and COMPILE_AUTO.get(device.type, False))

@@ -16,12 +16,13 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6
 # Keys each schema version added; a summary of an older version reads with them as null (not measured).
 ADDED_IN = {2: ("tf32", "lr_horizon_steps", "lr_horizon_source", "nonfinite_grad_steps"),
             3: ("time_to_target_s", "steps_to_target", "tokens_to_target"),
             4: ("host_allocator",),
-            5: ("norm_precision",)}
+            5: ("norm_precision",),
+            6: ("token_multiple",)}
 
 # summary.json keys and their meaning (units in the name where there is one). A figure that cannot
 # be measured on a device is null, never zero.
@@ -39,6 +40,7 @@ SUMMARY_KEYS: dict[str, str] = {
     "tf32": "fp32 matmuls on TF32 tensor cores (CUDA, compute capability >= 8.0)",
     "norm_precision": "LayerNorms and the residual stream: low (in the bf16/fp16 of autocast) or fp32 (autocast's rule; every fp32 run); null: a run from before --norm-precision, fp32",
     "compile": "torch.compile used",
+    "token_multiple": "a padded micro-batch's real-token rows rounded up to a multiple of this with filler rows no head reads (1: none; --token-multiple)",
     "host_allocator": "glibc-retain (freed host memory kept mapped for the next step: dist.tune_host_allocator) or system",
     "grad_ckpt": "gradient checkpointing policy",
     "ckpt_layers": "indices of checkpointed encoder layers",

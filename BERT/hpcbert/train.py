@@ -210,6 +210,7 @@ class Trainer:
             model = nn.parallel.DistributedDataParallel(
                 model, device_ids=[d.local_rank] if d.device.type == "cuda" else None, bucket_cap_mb=25)
         self.compiled = policies.resolve_compile(cfg.compile, d.device)
+        self.token_multiple = policies.resolve_token_multiple(cfg.token_multiple, d.device)
         self.model = policies.maybe_compile(model, self.compiled)
         self.optimizer = make_optimizer(cfg, self.raw, self.plan.lr, d.device)
         self.schedule = LRSchedule(self.plan.warmup_steps, self.plan.total_steps,
@@ -462,7 +463,8 @@ class Trainer:
             # A short last batch can leave this rank no example; it must still join DDP's
             # all-reduce, so it runs one example with weight 0 (zero gradient, not counted).
             weight = 1.0 if len(idx) else 0.0
-            batch = self.obj.collate(self.train_set, idx if len(idx) else gb[:1], pad_to, epoch).to(d.device)
+            batch = self.obj.collate(self.train_set, idx if len(idx) else gb[:1], pad_to, epoch).to(
+                d.device, self.token_multiple)
             B, T = batch.input_ids.shape
             if weight:
                 real_tokens += batch.real_tokens
@@ -703,7 +705,7 @@ class Trainer:
             mine = order[d.rank::d.world_size]
             preds: list[dict[str, np.ndarray]] = []
             for i in range(0, len(mine), cfg.eval_batch_size):
-                batch = obj.collate(data, mine[i:i + cfg.eval_batch_size]).to(d.device)
+                batch = obj.collate(data, mine[i:i + cfg.eval_batch_size]).to(d.device, self.token_multiple)
                 with self.amp():
                     outputs = obj.forward(self.raw, batch)
                 preds.append(obj.predict(outputs, batch))
@@ -762,6 +764,7 @@ class Trainer:
             "norm_precision": self.norm_precision,
             "host_allocator": d.host_allocator,
             "compile": self.compiled,
+            "token_multiple": self.token_multiple,
             "grad_ckpt": cfg.grad_ckpt,
             "ckpt_layers": self.ckpt_layers,
             "optimizer": cfg.optimizer,

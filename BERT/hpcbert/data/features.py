@@ -155,14 +155,15 @@ class Batch:
         in the step), else the (B, T) mask."""
         return self.tokens if self.tokens is not None else self.attention_mask
 
-    def to(self, device: torch.device) -> "Batch":
-        """On `device`, with the unpadded layout (`model.Tokens`) built from the host lengths. To a
-        GPU, every tensor of the batch goes in one copy from pinned memory (`to_device`)."""
+    def to(self, device: torch.device, token_multiple: int = 1) -> "Batch":
+        """On `device`, with the unpadded layout (`model.Tokens`) built from the host lengths, its
+        rows rounded up to a multiple of `token_multiple` (`Tokens.host_layout`). To a GPU, every
+        tensor of the batch goes in one copy from pinned memory (`to_device`)."""
         from ..model import Tokens
 
         labels = list(self.labels.values()) if isinstance(self.labels, dict) else [self.labels]
         B, T = self.input_ids.shape
-        index, cu = (None, None) if self.lengths is None else Tokens.host_layout(self.lengths, T)
+        index, cu = (None, None) if self.lengths is None else Tokens.host_layout(self.lengths, T, token_multiple)
         ids, types, mask, index, cu, *labels = to_device(
             [self.input_ids, self.token_type_ids, self.attention_mask, index, cu, *labels], device)
         labels = dict(zip(self.labels, labels)) if isinstance(self.labels, dict) else labels[0]
