@@ -439,7 +439,7 @@ def test_the_summary_says_in_what_precision_the_layer_norms_ran(tmp_path):
 def test_filler_rows_train_the_same_losses_and_the_summary_says_how_many(tmp_path, monkeypatch):
     """--token-multiple 64 (each padded micro-batch's rows rounded up with filler rows no head reads)
     trains and evaluates as the run without filler, dropout off (a filler row draws dropout too); the
-    summary records the multiple, 1 on CPU where not given."""
+    summary records the multiple, 1 where not given."""
     rows, build = [], model.Tokens.build
 
     def spy(*a, **k):

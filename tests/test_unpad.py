@@ -86,7 +86,7 @@ def assert_same_grads(grads, ref, tol=1e-5, exact=None):
 def filler_tokens(mask: torch.Tensor, multiple: int) -> Tokens:
     """The layout of `padded_batch` (81 real tokens, T = 21) with its rows rounded up to `multiple`:
     8 adds 7 filler rows (one filler sequence), 64 adds 47 (sequences of 21, 21 and 5)."""
-    return Tokens.from_lengths(mask.sum(1).numpy(), mask, mask.device, multiple)
+    return Tokens.from_lengths(mask.sum(1).cpu().numpy(), mask, mask.device, multiple)
 
 
 @pytest.mark.parametrize("multiple", [1, 8, 64])
@@ -536,6 +536,7 @@ def test_filler_rows_round_the_rows_up_and_copy_a_padding_position():
     t = Batch(ids, types, mask, labels, 81, lengths).to(torch.device("cpu"), 64).tokens
     assert t.index.shape[0] == 128 and t.fill == 47
     assert torch.equal(t.index[:81], plain.index) and set(t.index[81:].tolist()) == {3 * 21 + 4}
+    assert torch.equal(t.real_index, plain.index)
     assert t.cu_seqlens.tolist() == [0, 21, 34, 47, 51, 72, 81, 102, 123, 128]
     assert t.groups[-2:] == [(81, 2, 21), (123, 1, 5)] and t.max_len == 21
     assert torch.equal(t.first_rows(), plain.first_rows()) and torch.equal(t.positions()[:81], plain.positions())

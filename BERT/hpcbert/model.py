@@ -104,6 +104,7 @@ class Tokens:
                                    # the filler rows after them, k sequences of at most T rows
     groups: list[tuple[int, int, int]]  # runs of consecutive sequences of one length: (first row, sequences, length)
     fill: int = 0                  # filler rows after the n real ones (`host_layout`'s multiple)
+    real_index: torch.Tensor | None = None  # (n,) the index's real-token part (a view)
 
     @classmethod
     def of(cls, attention_mask: "torch.Tensor | Tokens | None", B: int, T: int, device: torch.device) -> "Tokens":
@@ -183,7 +184,7 @@ class Tokens:
             else:
                 groups.append((row, 1, L))
             row += L
-        return cls(B, T, mask, index, lengths, cu, groups, fill)
+        return cls(B, T, mask, index, lengths, cu, groups, fill, None if index is None else index[:n])
 
     @property
     def max_len(self) -> int:
@@ -197,9 +198,9 @@ class Tokens:
 
     def pad(self, x: torch.Tensor) -> torch.Tensor:
         """(n + fill, ...) -> (B, T, ...), zeros at the padding (filler rows left out)."""
-        if self.index is not None:
-            n = self.index.shape[0] - self.fill
-            x = x.new_zeros(self.B * self.T, *x.shape[1:]).index_copy(0, self.index[:n], x[:n])
+        if self.index is not None:  # sliced by a tensor's size: traced, a symbol, not a value per batch
+            n = self.real_index.shape[0]
+            x = x.new_zeros(self.B * self.T, *x.shape[1:]).index_copy(0, self.real_index, x[:n])
         return x.view(self.B, self.T, *x.shape[1:])
 
     def positions(self) -> torch.Tensor:
