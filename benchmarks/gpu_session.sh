@@ -72,6 +72,12 @@ PARTS=" ${PARTS:-mfu large tests} "
 [[ $PARTS == *" pareto "* ]] && part "${T_PARETO:-300}" pareto python3 benchmarks/pareto.py --rounds 3 ${PARETO_ARGS:-} \
     --results-dir "$OUT/pareto"
 python3 benchmarks/gpu.py render --results-dir "$OUT" >/dev/null
+# the last 200 lines of each run's log (hpcbert's and the Trainer's; gpu.py's --work-dir default), so a
+# part cut by its limit still says where its run was
+if [ -d runs/gpu/logs ]; then
+    mkdir -p "$OUT/run-logs"
+    for f in runs/gpu/logs/*.log; do [ -e "$f" ] && tail -n 200 "$f" > "$OUT/run-logs/$(basename "$f")"; done
+fi
 if [[ $PARTS == *" tests "* ]]; then
     each=(); python3 -c "import pytest_timeout" 2>/dev/null && each=(--timeout "${T_EACH_TEST:-120}")  # one hang fails one test
     export HPCBERT_FAILURES_AT_ONCE=1
