@@ -68,6 +68,9 @@ PARTS=" ${PARTS:-mfu large tests} "
 [[ $PARTS == *" large "* ]] && part "${T_LARGE:-120}" large python3 benchmarks/gpu.py large \
     ${LARGE_ARGS:---memory 16GiB --steps 2 --host-memory 8GiB} \
     --results-dir "$OUT"
+# filler rows (--token-multiple) against none, the same batches in one process (opt-in, ~1 min)
+[[ $PARTS == *" token-multiple "* ]] && part "${T_TOKEN_MULTIPLE:-120}" token-multiple \
+    python3 benchmarks/bench_token_multiple.py ${TOKEN_MULTIPLE_ARGS:-} --out "$OUT/token_multiple"
 # Not in the default parts (the defaults fill one 10-minute call): PARTS=pareto in a call of its own
 [[ $PARTS == *" pareto "* ]] && part "${T_PARETO:-300}" pareto python3 benchmarks/pareto.py --rounds 3 ${PARETO_ARGS:-} \
     --results-dir "$OUT/pareto"

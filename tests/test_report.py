@@ -511,6 +511,7 @@ def _benchmark_script(name: str):
     ("bench_model_ab", "model_ab", "python benchmarks/bench_model_ab.py --render"),
     ("bench_norm_precision", "norm_precision", "python benchmarks/bench_norm_precision.py --render"),
     ("bench_step_overhead", "step_overhead", "python benchmarks/bench_step_overhead.py --render"),
+    ("bench_token_multiple", "token_multiple", "python benchmarks/bench_token_multiple.py --render"),
     ("gpu", "gpu", "python benchmarks/gpu.py render"),
 ])
 def test_benchmark_readme_is_fresh(script, folder, command):

@@ -439,7 +439,7 @@ def test_the_summary_says_in_what_precision_the_layer_norms_ran(tmp_path):
 def test_filler_rows_train_the_same_losses_and_the_summary_says_how_many(tmp_path, monkeypatch):
     """--token-multiple 64 (each padded micro-batch's rows rounded up with filler rows no head reads)
     trains and evaluates as the run without filler, dropout off (a filler row draws dropout too); the
-    summary records the multiple, 1 where not given."""
+    summary records the multiple: where not given, 1 in fp32 and 32 in bf16 on CPU."""
     rows, build = [], model.Tokens.build
 
     def spy(*a, **k):
@@ -463,5 +463,9 @@ def test_filler_rows_train_the_same_losses_and_the_summary_says_how_many(tmp_pat
     assert all((n + f) % 64 == 0 and f < 64 for n, f in rows64 if f) and any(f for _, f in rows64)
     assert len(plain) == 4 and filled == pytest.approx(plain, rel=1e-6)
     assert s64["eval"]["dev"] == pytest.approx(s1["eval"]["dev"], rel=1e-6)
+    # bf16 on CPU, not given: 32 (policies.TOKEN_MULTIPLE_AUTO), and the loop's batches have it
+    _, s_bf16, rows_bf16 = run("bf16", precision="bf16")
+    assert s_bf16["token_multiple"] == 32 and any(f for _, f in rows_bf16)
+    assert all((n + f) % 32 == 0 for n, f in rows_bf16 if f)
     with pytest.raises(ValueError, match="token_multiple: 0; a positive number"):
         RunConfig(**TINY, token_multiple=0)

@@ -329,20 +329,24 @@ def grad_scaler(precision: str, device: torch.device) -> torch.amp.GradScaler:
 COMPILE_AUTO = {"cpu": False, "cuda": False}
 
 
-# --token-multiple's default per device type (config.RunConfig.token_multiple); 1 (no filler) where
-# absent. On CUDA a matmul at a row count met before costs 21-29 us of host time a call, and one at a
-# new row count 100-200 us, up to 10 ms where the call waits for cuBLAS to load a kernel
-# (benchmarks/gpu.py hostcost, H200); an unpadded batch has a new row count at nearly every step.
-# Filler rows to a multiple of 64 measured +5% (batch 256) and +2% (batch 1024) sequences/s on an
-# H200 (results/gpu/, one run each), but the GPU test of their gradients
-# (tests/test_unpad.py::test_cuda_kernels_match_the_cpu_model) has not run yet: until it passes
-# there, filler is asked for (--token-multiple 64), not the default. On CPU no gain was measured.
-TOKEN_MULTIPLE_AUTO: dict[str, int] = {}
+# --token-multiple's default, by device type and whether the run's matmuls are in reduced precision
+# (bf16/fp16 autocast); 1 (no filler) where absent (config.RunConfig.token_multiple).
+# - CPU, bf16: oneDNN builds a matmul for each new shape; with filler rows to a multiple of 32 the
+#   same batches trained 1.016x as fast at lengths 8-128 and 1.045x at 8-40 (64: 1.032x, 1.036x;
+#   minilm-l6, batch 32; benchmarks/bench_token_multiple.py, results/token_multiple/). 32 wastes
+#   fewer rows on short batches. In fp32 (MKL) the filler rows are work with nothing to win back:
+#   0.986x with 64 (one run of 40 batches at 8-128, not committed).
+# - CUDA: a matmul at a row count met before costs 21-29 us of host time a call, one at a new row
+#   count 100-200 us, up to 10 ms where the call waits for cuBLAS to load a kernel (benchmarks/gpu.py
+#   hostcost, H200); filler to 64 measured +5% (batch 256) and +2% (batch 1024) sequences/s there,
+#   one run each. The GPU test of their gradients (tests/test_unpad.py::test_cuda_kernels_match_the_cpu_model)
+#   has not run yet: until it passes there, filler on a GPU is asked for (--token-multiple 64).
+TOKEN_MULTIPLE_AUTO: dict[tuple[str, bool], int] = {("cpu", True): 32}
 
 
-def resolve_token_multiple(value: int | None, device: torch.device) -> int:
-    """--token-multiple N, or the device's default where not given."""
-    return value if value is not None else TOKEN_MULTIPLE_AUTO.get(device.type, 1)
+def resolve_token_multiple(value: int | None, device: torch.device, precision: str) -> int:
+    """--token-multiple N, or the default for the device and the resolved precision where not given."""
+    return value if value is not None else TOKEN_MULTIPLE_AUTO.get((device.type, precision != "fp32"), 1)
 
 
 def resolve_compile(mode: str, device: torch.device) -> bool:

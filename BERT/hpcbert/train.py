@@ -210,7 +210,7 @@ class Trainer:
             model = nn.parallel.DistributedDataParallel(
                 model, device_ids=[d.local_rank] if d.device.type == "cuda" else None, bucket_cap_mb=25)
         self.compiled = policies.resolve_compile(cfg.compile, d.device)
-        self.token_multiple = policies.resolve_token_multiple(cfg.token_multiple, d.device)
+        self.token_multiple = policies.resolve_token_multiple(cfg.token_multiple, d.device, self.precision)
         self.model = policies.maybe_compile(model, self.compiled)
         self.optimizer = make_optimizer(cfg, self.raw, self.plan.lr, d.device)
         self.schedule = LRSchedule(self.plan.warmup_steps, self.plan.total_steps,
