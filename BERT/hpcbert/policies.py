@@ -332,10 +332,11 @@ COMPILE_AUTO = {"cpu": False, "cuda": False}
 # --token-multiple's default, by device type and whether the run's matmuls are in reduced precision
 # (bf16/fp16 autocast); 1 (no filler) where absent (config.RunConfig.token_multiple).
 # - CPU, bf16: oneDNN builds a matmul for each new shape; with filler rows to a multiple of 32 the
-#   same batches trained 1.016x as fast at lengths 8-128 and 1.045x at 8-40 (64: 1.032x, 1.036x;
-#   minilm-l6, batch 32; benchmarks/bench_token_multiple.py, results/token_multiple/). 32 wastes
-#   fewer rows on short batches. In fp32 (MKL) the filler rows are work with nothing to win back:
-#   0.986x with 64 (one run of 40 batches at 8-128, not committed).
+#   same batches trained 1.027x as fast at lengths 8-128 and 1.055x at 8-40 (64: 1.039x, 1.036x;
+#   minilm-l6, batch 32; benchmarks/bench_token_multiple.py, results/token_multiple/; two earlier
+#   runs gave 1.016-1.027x and 1.027-1.045x for 32). 32 wastes fewer rows on short batches. In fp32
+#   (MKL) the filler rows are work with nothing to win back: 0.986x with 64 (one run of 40 batches
+#   at 8-128, `--precision fp32 --multiples 1,64`, not committed).
 # - CUDA: a matmul at a row count met before costs 21-29 us of host time a call, one at a new row
 #   count 100-200 us, up to 10 ms where the call waits for cuBLAS to load a kernel (benchmarks/gpu.py
 #   hostcost, H200); filler to 64 measured +5% (batch 256) and +2% (batch 1024) sequences/s there,
