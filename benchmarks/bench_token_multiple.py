@@ -22,7 +22,6 @@ nothing to win back, which this measures too.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import statistics
@@ -67,7 +66,6 @@ def measure(model_name: str, B: int, multiples: list[int], steps: int, device: t
     cfg = {**zoo.resolve(model_name).config.to_dict(), "num_labels": 2}
     model = M.BertForSequenceClassification(M.BertConfig(**cfg)).to(device).train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
-    cast = (lambda: policies.autocast(precision, device)) if precision != "fp32" else contextlib.nullcontext
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     rows: dict[int, list[int]] = {m: [] for m in multiples}
 
@@ -75,7 +73,7 @@ def measure(model_name: str, B: int, multiples: list[int], steps: int, device: t
         sync()
         t0 = time.perf_counter()
         d = b.to(device, multiple)
-        with cast():
+        with policies.autocast(precision, device):  # fp32: no autocast
             logits = model(d.input_ids, d.padding, d.token_type_ids)
             loss = torch.nn.functional.cross_entropy(logits.float(), d.labels)
         loss.backward()

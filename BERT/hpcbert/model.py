@@ -103,7 +103,6 @@ class Tokens:
     cu_seqlens: torch.Tensor       # (B + 1 + k,) int32: sequence b is rows cu_seqlens[b]:cu_seqlens[b+1];
                                    # the filler rows after them, k sequences of at most T rows
     groups: list[tuple[int, int, int]]  # runs of consecutive sequences of one length: (first row, sequences, length)
-    fill: int = 0                  # filler rows after the n real ones (`host_layout`'s multiple)
     real_index: torch.Tensor | None = None  # (n,) the index's real-token part (a view)
 
     @classmethod
@@ -184,7 +183,12 @@ class Tokens:
             else:
                 groups.append((row, 1, L))
             row += L
-        return cls(B, T, mask, index, lengths, cu, groups, fill, None if index is None else index[:n])
+        return cls(B, T, mask, index, lengths, cu, groups, None if index is None else index[:n])
+
+    @property
+    def fill(self) -> int:
+        """Filler rows after the n real ones (`host_layout`'s multiple)."""
+        return 0 if self.index is None else self.index.shape[0] - self.real_index.shape[0]
 
     @property
     def max_len(self) -> int:
