@@ -153,6 +153,9 @@ def test_options_a_scheduler_does_not_know_are_refused_with_the_reason(capsys, s
     (dict(stop_margin=5400), ["--stop-margin", "below the walltime"]),
     (dict(train_args=["--batch-size", "many"]), ["batch_size", "'many'", "integer >= 1 or 'auto'"]),
     (dict(train_args=["--bogus", "1"]), ["--bogus", "hpcbert train"]),
+    (dict(train_args=["--task", "sst-2", "--data-dir", "/glue", "--regression"]),
+     ["regression: an option of classify, not used by --task sst-2"]),
+    (dict(train_args=["--poly-power", "0.5"]), ["poly_power", "--lr-decay poly"]),
     (dict(job_name="two words"), ["--job-name"]),
     (dict(queue="a b"), ["--queue"]),
 ])
@@ -254,7 +257,7 @@ def run_script(text: str, tmp_path: Path, env: dict, *args: str) -> tuple[subpro
 def test_train_options_reach_the_bootstrap_word_for_word(job_sandbox):
     tmp_path, env = job_sandbox
     odd = ["--tokenizer", "a dir/with 'quotes' and \"double\" $HOME `x` ; rm -rf /", "--seed", "7",
-           "--cache-dir", "line1\nline2", "--data-dir", "${GLUE_DIR:?set GLUE_DIR}"]
+           "--cache-dir", "line1\nline2", "--task", "mrpc", "--data-dir", "${GLUE_DIR:?set GLUE_DIR}"]
     s = spec("slurm", nodes=1, gpus_per_node=0, procs_per_node=2, cpus_per_node=2, walltime="00:10:00",
              train_args=[*TRAIN, *odd, "--out", "my runs/run 1"])
     text = render(s, "cmd")

@@ -188,7 +188,10 @@ def test_bad_input_is_one_line_naming_file_line_and_field(tmp_path, model_dir, k
     ({"--dev-file": None}, "dev_file: --do-eval (the default) scores the model on --dev-file"),
     ({"--no-do-eval": True, "--test-file": "TEST"}, "test_file: --test-file is predicted when the run evaluates"),
     ({"--dev-file": "nowhere.csv"}, "dev_file: nowhere.csv does not exist"),
-    ({"--data-dir": "glue"}, "data_dir: --task classify reads --train-file"),
+    ({"--data-dir": "glue"}, "data_dir: an option of GLUE tasks and mlm, not used by --task classify (which reads "
+                             "--train-file"),
+    ({"--doc-stride": "64"}, "doc_stride: an option of squad, not used by --task classify"),
+    ({"--whole-word-masking": True}, "whole_word_masking: an option of mlm, not used by --task classify"),
     ({"--format": "parquet"}, "format: 'parquet' is not accepted; choose one of csv, tsv, jsonl"),
 ])
 def test_options_the_task_needs_are_named(tmp_path, model_dir, change, expected, capsys):

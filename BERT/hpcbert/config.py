@@ -281,6 +281,9 @@ class RunConfig:
             _choice("format", self.format, FILE_FORMATS)
         if self.poly_power <= 0:
             raise ValueError(f"poly_power: must be > 0, got {self.poly_power}")
+        if self.poly_power != 1.0 and self.lr_decay != "poly":
+            raise ValueError(f"poly_power: {self.poly_power} is the power of --lr-decay poly, which this run does "
+                             f"not use (--lr-decay {self.lr_decay}); add --lr-decay poly or leave it out")
         if not 0 < self.mask_prob < 1:
             raise ValueError(f"mask_prob: must be in (0, 1), got {self.mask_prob}")
         if self.target_mlm_accuracy is not None and not 0 < self.target_mlm_accuracy <= 1:

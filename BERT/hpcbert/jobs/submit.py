@@ -199,9 +199,10 @@ def validate(spec: JobSpec) -> None:
 
 
 def check_train_args(argv: list[str]):
-    """Parse the train options as `hpcbert train` would, so a typo fails now rather than after the
-    queue wait. Returns the RunConfig."""
-    from .. import config
+    """Parse the train options as `hpcbert train` would, and refuse an option of another task, so a
+    typo fails now rather than after the queue wait (files are not read: their paths may be the
+    container's). Returns the RunConfig."""
+    from .. import config, objectives
 
     p = argparse.ArgumentParser(prog="hpcbert submit ... --", add_help=False, exit_on_error=False)
     config.add_arguments(p)
@@ -212,7 +213,9 @@ def check_train_args(argv: list[str]):
     if unknown:
         raise ValueError(f"train options: not `hpcbert train` options: {' '.join(unknown)} "
                          f"(see hpcbert train --help)")
-    return config.from_namespace(ns)
+    cfg = config.from_namespace(ns)
+    objectives.refuse_unread(cfg)
+    return cfg
 
 
 # --- rendering ---------------------------------------------------------------------------------

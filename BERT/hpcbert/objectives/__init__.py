@@ -101,6 +101,38 @@ _REGISTRY = {
 TASKS_HELP = ("a GLUE task (cola, sst-2, mrpc, sts-b, qqp, mnli, qnli, rte, wnli), squad, classify (your "
               "own CSV/TSV/JSONL files), mlm (masked-LM pre-training) or synthetic (no files needed)")
 
+# RunConfig fields that only some tasks read -> those tasks ("glue": the GLUE tasks). Each objective's
+# check() refuses one set away from its default for a task that does not read it (refuse_unread):
+# an option given is used or refused, never silently ignored. (--target-mlm-accuracy: the trainer
+# refuses it for a task without a masked-LM accuracy.)
+TASK_OPTIONS: dict[str, tuple[str, ...]] = {
+    "data_dir": ("glue", "mlm"),
+    "train_file": ("squad", "classify"), "dev_file": ("squad", "classify"),
+    **dict.fromkeys(("test_file", "text_fields", "label_field", "format", "regression"), ("classify",)),
+    **dict.fromkeys(("doc_stride", "max_query_length", "n_best_size", "max_answer_length",
+                     "null_score_diff_threshold", "squad_version"), ("squad",)),
+    **dict.fromkeys(("mask_prob", "whole_word_masking", "nsp", "eval_data"), ("mlm",)),
+    **dict.fromkeys(("synthetic_train_size", "synthetic_dev_size"), ("synthetic",)),
+}
+_TASK_WORDS = {"glue": "GLUE tasks", "squad": "squad", "classify": "classify", "mlm": "mlm", "synthetic": "synthetic"}
+_TASK_READS = {"glue": "the GLUE files in --data-dir", "squad": "--train-file and --dev-file",
+               "classify": "--train-file, --dev-file and --test-file", "mlm": "the prepared data in --data-dir"}
+
+
+def refuse_unread(cfg: "RunConfig") -> None:
+    """ValueError naming the first option of TASK_OPTIONS that `cfg` sets (away from RunConfig's
+    default) and `cfg.task` does not read. Reads no file: `hpcbert submit` calls it before the
+    queue wait, each objective's check() before anything is loaded."""
+    from dataclasses import fields
+
+    kind = cfg.task if cfg.task in _TASK_WORDS else "glue"
+    reads = f"which reads {_TASK_READS[kind]}" if kind in _TASK_READS else "which generates its data"
+    defaults = {f.name: f.default for f in fields(cfg)}
+    for name, kinds in TASK_OPTIONS.items():
+        if kind not in kinds and getattr(cfg, name) != defaults[name]:
+            raise ValueError(f"{name}: an option of {' and '.join(_TASK_WORDS[k] for k in kinds)}, not used by "
+                             f"--task {cfg.task} ({reads}); leave it out")
+
 
 def get(cfg: "RunConfig") -> Objective:
     """The objective that trains `cfg.task`."""

@@ -16,7 +16,7 @@ from ..data.glue import TaskSpec, get_task, read_split, task_path
 from ..data.metrics import accuracy, compute_metrics
 from ..model import BertConfig, BertForSequenceClassification, classification_loss, linear_flops
 from ..zoo import ModelSource
-from . import Evaluation
+from . import Evaluation, refuse_unread
 
 SYNTHETIC = TaskSpec(name="synthetic", folder="", train_file="", dev_files={"dev": ""},
                      labels=("0", "1"), main_metric="accuracy")
@@ -41,6 +41,7 @@ class SequenceClassification:
         return self.spec.main_metric
 
     def check(self, cfg: RunConfig) -> None:
+        refuse_unread(cfg)
         if self.spec is not SYNTHETIC and not cfg.data_dir:
             raise ValueError(f"data_dir: task {cfg.task!r} reads GLUE files; pass --data-dir GLUE_DIR "
                              f"(or use --task synthetic)")

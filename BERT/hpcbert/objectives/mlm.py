@@ -19,7 +19,7 @@ of --data-dir (its `eval` split), or every document of --eval-data; NSP accuracy
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -35,15 +35,7 @@ from ..data.packing import EVAL_PAIR_SEED, Sequences, Stream
 from ..data.pretrain import load_prepared, tokenizer_sha256
 from ..model import BertConfig, BertForMaskedLM, BertForPreTraining, linear_flops
 from ..zoo import ModelSource
-from . import Evaluation
-
-# Options of other tasks, refused when set, with what they are for.
-_OTHER_TASKS = {"train_file": "squad and classify", "dev_file": "squad and classify", "test_file": "classify",
-                "text_fields": "classify", "label_field": "classify", "format": "classify",
-                "regression": "classify", "doc_stride": "squad", "max_query_length": "squad",
-                "n_best_size": "squad", "max_answer_length": "squad", "null_score_diff_threshold": "squad",
-                "squad_version": "squad"}
-
+from . import Evaluation, refuse_unread
 
 @dataclass
 class MaskedLM:
@@ -57,11 +49,7 @@ class MaskedLM:
         return cls(cfg)
 
     def check(self, cfg: RunConfig) -> None:
-        defaults = {f.name: f.default for f in fields(RunConfig)}
-        for name, task in _OTHER_TASKS.items():
-            if getattr(cfg, name) != defaults[name]:
-                raise ValueError(f"{name}: an option of {task}, not used by --task mlm (which reads the "
-                                 f"prepared data in --data-dir); leave it out")
+        refuse_unread(cfg)
         if not cfg.data_dir:
             raise ValueError("data_dir: --task mlm trains on prepared data; run hpcbert prepare-pretraining "
                              "TEXT... --tokenizer DIR --out DATA_DIR, then pass --data-dir DATA_DIR")

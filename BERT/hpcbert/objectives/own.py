@@ -37,7 +37,7 @@ from ..data.glue import TaskSpec
 from ..data.metrics import accuracy, f1_macro, pearson, spearman
 from ..data.own import _fmt, _text_fields, label_set, read_classification
 from ..zoo import ModelSource
-from . import Evaluation
+from . import Evaluation, refuse_unread
 from .classification import SequenceClassification
 
 _FILES = ("train_file", "dev_file", "test_file")
@@ -62,9 +62,7 @@ class OwnClassification(SequenceClassification):
                    label_field=cfg.label_field, format=cfg.format, regression=cfg.regression)
 
     def check(self, cfg: RunConfig) -> None:
-        if cfg.data_dir:
-            raise ValueError("data_dir: --task classify reads --train-file, --dev-file and --test-file; --data-dir "
-                             "is for GLUE tasks and mlm")
+        refuse_unread(cfg)
         if not cfg.train_file:
             raise ValueError("train_file: --task classify trains on your own file; pass --train-file FILE (CSV, TSV "
                              "or JSON Lines, with a header row)")

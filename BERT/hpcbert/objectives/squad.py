@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -32,17 +32,11 @@ from ..data.squad import SquadExample, SquadFeatures, build_features, predict_an
 from ..data.squad_metrics import evaluate_v1, evaluate_v2
 from ..model import BertConfig, BertForQuestionAnswering, linear_flops
 from ..zoo import ModelSource
-from . import Evaluation
+from . import Evaluation, refuse_unread
 
 # Logit given to padded positions: out of every softmax (exp underflows to 0 in fp32), and the
 # filler of prediction rows beyond a window's length.
 NEG = -1e4
-
-# Options of other tasks, refused when set (value differs from RunConfig's default), with what they are for.
-_OTHER_TASKS = {"data_dir": "GLUE tasks and mlm", "test_file": "classify", "text_fields": "classify",
-                "label_field": "classify", "format": "classify", "regression": "classify", "mask_prob": "mlm",
-                "whole_word_masking": "mlm", "nsp": "mlm", "eval_data": "mlm", "target_mlm_accuracy": "mlm"}
-
 
 @dataclass
 class SquadSplit(Features):
@@ -127,11 +121,7 @@ class QuestionAnswering:
     def check(self, cfg: RunConfig) -> None:
         """--train-file (and --dev-file with --do-eval) present and readable, the SQuAD version of
         the files against --squad-version, options of other tasks refused."""
-        defaults = {f.name: f.default for f in fields(RunConfig)}
-        for name, task in _OTHER_TASKS.items():
-            if getattr(cfg, name) != defaults[name]:
-                raise ValueError(f"{name}: an option of {task}, not used by --task squad (which reads "
-                                 f"--train-file and --dev-file); leave it out")
+        refuse_unread(cfg)
         if not cfg.train_file:
             raise ValueError("train_file: --task squad trains on a SQuAD JSON file; pass --train-file FILE "
                              "(v1.1, or v2.0 with is_impossible)")
