@@ -58,9 +58,11 @@ PARTS=" ${PARTS:-mfu large tests} "
     --compile "${PROFILE_COMPILE:-off}" --results-dir "$OUT"
 [[ $PARTS == *" profile-mlm "* ]] && part "${T_PROFILE:-60}" profile-mlm python3 benchmarks/gpu.py profile "${tok[@]}" \
     --task mlm --data-dir "${PRETRAIN_DATA:-.gpudata/pretrain}" --compile "${PROFILE_COMPILE:-off}" --results-dir "$OUT"
-# the plan's activation and workspace counts against real tensors and peaks (opt-in, ~1 min)
+# the plan's activation and workspace counts against real tensors and peaks (opt-in, ~1 min a model;
+# ACTIVATION_MODELS=bert-base,bert-large, ACTIVATION_TASKS=synthetic)
 [[ $PARTS == *" activation "* ]] && part "${T_ACTIVATION:-120}" activation \
-    python3 benchmarks/gpu_activation_check.py > "$OUT/activation.txt" 2>&1
+    python3 benchmarks/gpu_activation_check.py "${ACTIVATION_TASKS:-synthetic,mlm}" "${ACTIVATION_MODELS:-bert-base}" \
+    > "$OUT/activation.txt" 2>&1
 # host time per matmul call, a row count met before against a new one (opt-in, ~20 s)
 [[ $PARTS == *" hostcost "* ]] && part "${T_HOSTCOST:-60}" hostcost python3 benchmarks/gpu.py hostcost --results-dir "$OUT"
 # offload's plan and probe for 8 GiB of host memory: each probe pins its batch's activations anew
