@@ -236,6 +236,19 @@ def test_bad_inputs_one_line_exit_2(tmp_path, tok_dir, capsys):
     assert error_of(capsys).endswith(f"input {tmp_path / 'nope.txt'}: no such file or directory")
     assert run(tmp_path, [str(tmp_path / "*.none")], "o4", tok=tok_dir) == 2
     assert "glob matches no file" in error_of(capsys)
+    # a file reached twice: named twice, or named and inside a folder given too
+    assert run(tmp_path, [empty, empty], "o4", tok=tok_dir) == 2
+    assert error_of(capsys).endswith(f"input {empty}: {empty} is also reached by input {empty}; each file once "
+                                     "(its documents would be read twice)")
+    assert run(tmp_path, [tmp_path, bad], "o4", tok=tok_dir) == 2
+    assert error_of(capsys).endswith(f"input {bad}: {bad} is also reached by input {tmp_path}; each file once "
+                                     "(its documents would be read twice)")
+    for length in (7, 513):
+        assert hpcbert_main(["prepare-pretraining", str(bad), "--tokenizer", str(tok_dir), "--max-seq-length",
+                             str(length), "--out", str(tmp_path / "o4")]) == 2
+        assert error_of(capsys).endswith(f"--max-seq-length {length}: from 8 (what hpcbert train --task mlm takes) "
+                                         "to 512 (BERT's positions)")
+    assert not (tmp_path / "o4").exists()
 
     nomask = tmp_path / "nomask"
     nomask.mkdir()

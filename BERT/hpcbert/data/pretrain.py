@@ -94,24 +94,32 @@ class Dropped:
 
 
 def expand_inputs(inputs: list[str]) -> list[Path]:
-    """Files, directories (every regular file below, sorted) and globs -> files, in argument order."""
+    """Files, directories (every regular file below, sorted) and globs -> files, in argument order.
+    A file reached twice (named twice, or by a file and a directory or glob that holds it) is
+    refused: its documents would be trained on twice as often as the others'."""
     out: list[Path] = []
+    seen: dict[Path, str] = {}
     for arg in inputs:
         p = Path(arg)
         if p.is_file():
-            out.append(p)
+            files = [p]
         elif p.is_dir():
             files = sorted(f for f in p.rglob("*") if f.is_file())
             if not files:
                 raise PrepareError(f"input {arg}: directory holds no file")
-            out.extend(files)
         elif glob.has_magic(arg):
             files = sorted(Path(f) for f in glob.glob(arg, recursive=True) if Path(f).is_file())
             if not files:
                 raise PrepareError(f"input {arg}: glob matches no file")
-            out.extend(files)
         else:
             raise PrepareError(f"input {arg}: no such file or directory")
+        for f in files:
+            key = f.resolve()
+            if key in seen:
+                raise PrepareError(f"input {arg}: {f} is also reached by input {seen[key]}; each file once (its "
+                                   f"documents would be read twice)")
+            seen[key] = arg
+        out.extend(files)
     return out
 
 
@@ -461,8 +469,9 @@ class Options:
     shard_tokens: int = 16 * 2**20
 
     def __post_init__(self) -> None:
-        if self.max_seq_length < 3:
-            raise PrepareError(f"--max-seq-length {self.max_seq_length}: must be >= 3 ([CLS] x [SEP])")
+        if not 8 <= self.max_seq_length <= 512:
+            raise PrepareError(f"--max-seq-length {self.max_seq_length}: from 8 (what hpcbert train --task mlm "
+                               f"takes) to 512 (BERT's positions)")
         if self.workers < 1:
             raise PrepareError(f"--workers {self.workers}: must be >= 1")
         if self.shard_tokens < 1:
