@@ -66,6 +66,17 @@ def test_the_command_line_refuses_it_before_any_run_directory(tmp_path, capsys):
     assert not out.exists()
 
 
+@pytest.mark.parametrize("command", ["plan", "bench"])
+def test_plan_and_bench_refuse_it_as_train_would_before_any_work(tmp_path, capsys, command):
+    out = tmp_path / "bench"
+    args = ["--memory", "8GiB"] if command == "plan" else ["--out", str(out)]
+    assert main([command, "--task", "synthetic", "--doc-stride", "64", *args]) == 2
+    err = capsys.readouterr().err
+    assert (f"hpcbert {command}: error: doc_stride: an option of squad, not used by --task synthetic (which "
+            "generates its data); leave it out") in err and "Traceback" not in err, err
+    assert not out.exists()
+
+
 def test_a_poly_power_without_poly_decay_is_refused():
     with pytest.raises(ValueError, match=r"^poly_power: 0\.5 is the power of --lr-decay poly, which this run does not "
                                          r"use \(--lr-decay linear\)"):

@@ -35,7 +35,7 @@ import sys
 import time
 from pathlib import Path
 
-from . import config
+from . import config, objectives
 from .config import parse_grad_ckpt
 
 # Interleaved 90 s + 4 runs x 15 s: the 3 minutes the bench took as 3 rounds of 4 x 15-s runs. The
@@ -287,6 +287,7 @@ def run(ns: argparse.Namespace) -> int:
         raise ValueError(f"rounds: must be >= 1, got {ns.rounds}")
     budget = interleaved_budget(ns.interleaved)  # a bad value fails before any run
     base = config.from_namespace(ns)
+    objectives.refuse_unread(base)  # before the first run, as each run's own check would
     bench_dir = Path(base.out or f"runs/bench-{time.strftime('%Y%m%d-%H%M%S')}")
     env = dict(os.environ)
     pkg_root = str(Path(__file__).resolve().parent.parent)

@@ -399,6 +399,8 @@ def add_options(p: argparse.ArgumentParser) -> None:
 
 
 def cli(argv: list[str]) -> int:
+    from . import objectives
+
     p = argparse.ArgumentParser(prog="hpcbert plan", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add_options(p)
@@ -406,6 +408,7 @@ def cli(argv: list[str]) -> int:
     try:
         memory = parse_bytes(ns.memory) if ns.memory else None
         cfg = config.from_namespace(ns)
+        objectives.refuse_unread(cfg)  # the train command line it plans for, refused as train would
         print(make_plan(cfg, memory).table())
     except (ValueError, FileNotFoundError) as e:
         print(f"hpcbert plan: error: {e}", file=sys.stderr)
