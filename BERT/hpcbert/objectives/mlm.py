@@ -37,6 +37,7 @@ from ..model import BertConfig, BertForMaskedLM, BertForPreTraining, linear_flop
 from ..zoo import ModelSource
 from . import Evaluation, refuse_unread
 
+
 @dataclass
 class MaskedLM:
     cfg: RunConfig

@@ -38,6 +38,7 @@ from . import Evaluation, refuse_unread
 # filler of prediction rows beyond a window's length.
 NEG = -1e4
 
+
 @dataclass
 class SquadSplit(Features):
     """One split's windows: the ragged token layout of `Features` (labels (n, 2): the answer's
