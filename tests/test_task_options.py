@@ -33,6 +33,9 @@ REFUSED = [  # (task, option set, the start of the message)
     ("mlm", {"format": "csv"}, "format: an option of classify, not used by --task mlm"),
     ("mlm", {"n_best_size": 5}, "n_best_size: an option of squad, not used by --task mlm"),
     ("mlm", {"dev_file": "d.json"}, "dev_file: an option of squad and classify, not used by --task mlm"),
+    ("mlm", {"cache_dir": "c"}, "cache_dir: an option of GLUE tasks, squad and classify, not used by --task mlm"),
+    ("synthetic", {"cache_dir": "c"}, "cache_dir: an option of GLUE tasks, squad and classify, not used by "
+                                      "--task synthetic"),
 ]
 
 

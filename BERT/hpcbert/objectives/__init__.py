@@ -108,6 +108,7 @@ TASKS_HELP = ("a GLUE task (cola, sst-2, mrpc, sts-b, qqp, mnli, qnli, rte, wnli
 TASK_OPTIONS: dict[str, tuple[str, ...]] = {
     "data_dir": ("glue", "mlm"),
     "train_file": ("squad", "classify"), "dev_file": ("squad", "classify"),
+    "cache_dir": ("glue", "squad", "classify"),  # tokenised features; mlm's data is prepared once, synthetic's drawn
     **dict.fromkeys(("test_file", "text_fields", "label_field", "format", "regression"), ("classify",)),
     **dict.fromkeys(("doc_stride", "max_query_length", "n_best_size", "max_answer_length",
                      "null_score_diff_threshold", "squad_version"), ("squad",)),
@@ -130,8 +131,9 @@ def refuse_unread(cfg: "RunConfig") -> None:
     defaults = {f.name: f.default for f in fields(cfg)}
     for name, kinds in TASK_OPTIONS.items():
         if kind not in kinds and getattr(cfg, name) != defaults[name]:
-            raise ValueError(f"{name}: an option of {' and '.join(_TASK_WORDS[k] for k in kinds)}, not used by "
-                             f"--task {cfg.task} ({reads}); leave it out")
+            words = [_TASK_WORDS[k] for k in kinds]
+            tasks = " and ".join([", ".join(words[:-1]), words[-1]] if len(words) > 1 else words)
+            raise ValueError(f"{name}: an option of {tasks}, not used by --task {cfg.task} ({reads}); leave it out")
 
 
 def get(cfg: "RunConfig") -> Objective:
