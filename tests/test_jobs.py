@@ -165,6 +165,17 @@ def test_impossible_jobs_are_refused_naming_the_option(kw, words):
     assert all(w in str(e.value) for w in words), str(e.value)
 
 
+def test_a_preset_under_another_task_leaves_out_what_that_task_does_not_read():
+    ns = submit.parser().parse_args(["--scheduler", "slurm", "--preset", "baseline"])
+    s = submit.spec_from_args(ns, ["--task", "synthetic"])
+    assert "--data-dir" not in s.train_args and s.train_args[-2:] == ["--task", "synthetic"]
+    assert submit.check_train_args(s.train_args).task == "synthetic"
+    kept = submit.spec_from_args(ns, ["--task", "sst-2"]).train_args  # a GLUE task reads the kit's --data-dir
+    assert kept[kept.index("--data-dir") + 1] == "${GLUE_DIR:?set GLUE_DIR to the GLUE directory}"
+    with pytest.raises(ValueError, match="^data_dir: an option of GLUE tasks and mlm, not used by --task synthetic"):
+        submit.check_train_args(submit.spec_from_args(ns, ["--task", "synthetic", "--data-dir", "d"]).train_args)
+
+
 def test_presets_are_resources_plus_train_options_and_user_options_win():
     ns = submit.parser().parse_args(["--scheduler", "pbs", "--preset", "optimized"])
     s = submit.spec_from_args(ns, [])

@@ -437,7 +437,19 @@ def spec_from_args(ns: argparse.Namespace, train: list[str]) -> JobSpec:
     return JobSpec(scheduler=ns.scheduler, **res, project=ns.project, queue=ns.queue, account=ns.account,
                    launcher=ns.launcher, container=ns.container, binds=ns.bind, stop_margin=ns.stop_margin,
                    job_name=ns.job_name or (f"bert-{ns.preset}" if preset else "hpcbert"),
-                   train_args=(preset_argv(preset.train) if preset else []) + train)
+                   train_args=(preset_argv(preset_for(preset.train, train)) if preset else []) + train)
+
+
+def preset_for(preset_train: dict, train: list[str]) -> dict:
+    """A preset's train options under the user's: where the user names another task, the preset's
+    options that task does not read (the kit's --data-dir under --task synthetic) are left out, as
+    the user's options win; the user's own are all kept, and train refuses any its task does not read."""
+    from .. import objectives
+
+    p = argparse.ArgumentParser(add_help=False, exit_on_error=False)
+    p.add_argument("--task")
+    task = p.parse_known_args(train)[0].task or preset_train.get("task")
+    return {k: v for k, v in preset_train.items() if task is None or objectives.task_reads(task.lower(), k)}
 
 
 def _kit_dir() -> str | None:

@@ -120,17 +120,26 @@ _TASK_READS = {"glue": "the GLUE files in --data-dir", "squad": "--train-file an
                "classify": "--train-file, --dev-file and --test-file", "mlm": "the prepared data in --data-dir"}
 
 
+def _kind(task: str) -> str:
+    return task if task in _TASK_WORDS else "glue"
+
+
+def task_reads(task: str, name: str) -> bool:
+    """Whether a run of `task` reads the RunConfig field `name` (every field not in TASK_OPTIONS)."""
+    return name not in TASK_OPTIONS or _kind(task) in TASK_OPTIONS[name]
+
+
 def refuse_unread(cfg: "RunConfig") -> None:
     """ValueError naming the first option of TASK_OPTIONS that `cfg` sets (away from RunConfig's
     default) and `cfg.task` does not read. Reads no file: `hpcbert submit` calls it before the
     queue wait, each objective's check() before anything is loaded."""
     from dataclasses import fields
 
-    kind = cfg.task if cfg.task in _TASK_WORDS else "glue"
+    kind = _kind(cfg.task)
     reads = f"which reads {_TASK_READS[kind]}" if kind in _TASK_READS else "which generates its data"
     defaults = {f.name: f.default for f in fields(cfg)}
     for name, kinds in TASK_OPTIONS.items():
-        if kind not in kinds and getattr(cfg, name) != defaults[name]:
+        if not task_reads(cfg.task, name) and getattr(cfg, name) != defaults[name]:
             words = [_TASK_WORDS[k] for k in kinds]
             tasks = " and ".join([", ".join(words[:-1]), words[-1]] if len(words) > 1 else words)
             raise ValueError(f"{name}: an option of {tasks}, not used by --task {cfg.task} ({reads}); leave it out")
