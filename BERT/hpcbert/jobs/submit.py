@@ -449,7 +449,7 @@ def preset_for(preset_train: dict, train: list[str]) -> dict:
     p = argparse.ArgumentParser(add_help=False, exit_on_error=False)
     p.add_argument("--task")
     task = p.parse_known_args(train)[0].task or preset_train.get("task")
-    return {k: v for k, v in preset_train.items() if task is None or objectives.task_reads(task.lower(), k)}
+    return {k: v for k, v in preset_train.items() if task is None or objectives.task_reads(task, k)}
 
 
 def _kit_dir() -> str | None:

@@ -116,11 +116,13 @@ TASK_OPTIONS: dict[str, tuple[str, ...]] = {
     **dict.fromkeys(("synthetic_train_size", "synthetic_dev_size"), ("synthetic",)),
 }
 _TASK_WORDS = {"glue": "GLUE tasks", "squad": "squad", "classify": "classify", "mlm": "mlm", "synthetic": "synthetic"}
-_TASK_READS = {"glue": "the GLUE files in --data-dir", "squad": "--train-file and --dev-file",
-               "classify": "--train-file, --dev-file and --test-file", "mlm": "the prepared data in --data-dir"}
+_TASK_READS = {"glue": "which reads the GLUE files in --data-dir", "squad": "which reads --train-file and --dev-file",
+               "classify": "which reads --train-file, --dev-file and --test-file",
+               "mlm": "which reads the prepared data in --data-dir", "synthetic": "which generates its data"}
 
 
 def _kind(task: str) -> str:
+    task = task.lower()
     return task if task in _TASK_WORDS else "glue"
 
 
@@ -135,14 +137,13 @@ def refuse_unread(cfg: "RunConfig") -> None:
     queue wait, each objective's check() before anything is loaded."""
     from dataclasses import fields
 
-    kind = _kind(cfg.task)
-    reads = f"which reads {_TASK_READS[kind]}" if kind in _TASK_READS else "which generates its data"
     defaults = {f.name: f.default for f in fields(cfg)}
     for name, kinds in TASK_OPTIONS.items():
         if not task_reads(cfg.task, name) and getattr(cfg, name) != defaults[name]:
             words = [_TASK_WORDS[k] for k in kinds]
             tasks = " and ".join([", ".join(words[:-1]), words[-1]] if len(words) > 1 else words)
-            raise ValueError(f"{name}: an option of {tasks}, not used by --task {cfg.task} ({reads}); leave it out")
+            raise ValueError(f"{name}: an option of {tasks}, not used by --task {cfg.task} "
+                             f"({_TASK_READS[_kind(cfg.task)]}); leave it out")
 
 
 def get(cfg: "RunConfig") -> Objective:
