@@ -666,7 +666,9 @@ def render(results: Path = RESULTS) -> str:
         out += ["", f"- {_where(doc)}" + (f" ({', '.join(r['policy'] for r in doc['policies'] if not r.get('source'))})"
                                           if own else "")]
         out += [f"- {_where(r['source'])} ({r['policy']})" for r in own] + [""]
-    logs = sorted(results.glob("pytest-*.log"))
+    # in the order they ran: pytest-N-..., by N (pytest-10 after pytest-9)
+    logs = sorted(results.glob("pytest-*.log"), key=lambda f: (int(m.group(1)) if (m := re.match(r"pytest-(\d+)", f.name))
+                                                              else 0, f.name))
     if logs:
         out += ["## GPU tests", "", "`pytest -m gpu` on the GPU; `pytest-N-WHAT-COMMIT.log` is the N-th run, of commit COMMIT.", ""]
         for log in logs:

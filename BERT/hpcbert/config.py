@@ -194,7 +194,7 @@ class RunConfig:
     compile: str = "auto"
     """torch.compile the model: on, off, or auto (on where it was measured faster and exact: see policies.COMPILE_AUTO). --compile alone is on; config.json files of older runs with true/false read as on/off."""
     token_multiple: int | None = None
-    """Round a padded batch's real-token count up to a multiple of N with filler rows that no head reads (at most N - 1 a micro-batch), so that the token-wise matmuls meet a few shapes again and again instead of a new one at nearly every step: on CUDA, cuBLAS picks a kernel for every new shape on the host (benchmarks/gpu.py hostcost). Default (policies.TOKEN_MULTIPLE_AUTO): 32 on CPU under bf16/fp16 (oneDNN builds a matmul per new shape: 1.027-1.055x measured), else 1 (no filler; on a GPU 64 measured 2-5% faster, pending its GPU gradient test). Losses and gradients are those without filler (dropout draws differ: filler rows draw too)."""
+    """Round a padded batch's real-token count up to a multiple of N with filler rows that no head reads (at most N - 1 a micro-batch), so that the token-wise matmuls meet a few shapes again and again instead of a new one at nearly every step: on CUDA, cuBLAS picks a kernel for every new shape on the host (benchmarks/gpu.py hostcost). Default (policies.TOKEN_MULTIPLE_AUTO): 32 on CPU under bf16/fp16 (oneDNN builds a matmul per new shape: 1.027-1.055x measured), 64 on a GPU under bf16/fp16 (2-5% faster measured on an H200), else 1 (no filler). Losses and gradients are those without filler (dropout draws differ: filler rows draw too)."""
     dropout: float | None = None
     """Override the model's dropout probabilities (hidden and attention)."""
     init_from: str | None = None

@@ -340,9 +340,10 @@ COMPILE_AUTO = {"cpu": False, "cuda": False}
 # - CUDA: a matmul at a row count met before costs 21-29 us of host time a call, one at a new row
 #   count 100-200 us, up to 10 ms where the call waits for cuBLAS to load a kernel (benchmarks/gpu.py
 #   hostcost, H200); filler to 64 measured +5% (batch 256) and +2% (batch 1024) sequences/s there,
-#   one run each. The GPU test of their gradients (tests/test_unpad.py::test_cuda_kernels_match_the_cpu_model)
-#   has not run yet: until it passes there, filler on a GPU is asked for (--token-multiple 64).
-TOKEN_MULTIPLE_AUTO: dict[tuple[str, bool], int] = {("cpu", True): 32}
+#   one run each, bf16. Their gradients, eager and compiled, in bf16 and fp32, match the CPU model's
+#   on an H200 (tests/test_unpad.py::test_cuda_kernels_match_the_cpu_model, results/gpu/pytest-10-*).
+#   In fp32 on a GPU filler is not measured: 1 there, as on CPU.
+TOKEN_MULTIPLE_AUTO: dict[tuple[str, bool], int] = {("cpu", True): 32, ("cuda", True): 64}
 
 
 def resolve_token_multiple(value: int | None, device: torch.device, precision: str) -> int:
