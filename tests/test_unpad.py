@@ -547,6 +547,92 @@ def test_filler_rows_round_the_rows_up_and_copy_a_padding_position():
     assert full.index is None and full.fill == 0
 
 
+def test_always_index_gives_a_batch_without_padding_an_index_and_at_least_one_filler_row():
+    """Batch.to(..., always_index=True), the layout of a compiled run, by hand: a batch without
+    padding gets every position as its index and an all-true mask; with filler rows asked for, a
+    batch whose rows are a multiple already gets `multiple` of them (never none), copies of the
+    first token where there is no padding position, of the first padding position where there is."""
+    import numpy as np
+
+    from hpcbert.data.features import Batch
+
+    cpu = torch.device("cpu")
+    ids, types = torch.ones(2, 4, dtype=torch.long), torch.zeros(2, 4, dtype=torch.long)
+    full = Batch(ids, types, None, torch.zeros(2), 8, np.array([4, 4])).to(cpu, 4, always_index=True).tokens
+    assert full.index.tolist() == [0, 1, 2, 3, 4, 5, 6, 7, 0, 0, 0, 0] and full.real_index.tolist() == list(range(8))
+    assert full.cu_seqlens.tolist() == [0, 4, 8, 12] and full.fill == 4 and full.mask.all()
+    assert Batch(ids, types, None, torch.zeros(2), 8, np.array([4, 4])).to(cpu, 1, always_index=True).tokens.fill == 0
+    # lengths 3 and 1 (T = 3): 4 real rows, a multiple of 4 already: 4 filler rows, sequences of 3 and 1,
+    # copies of position 1 * 3 + 1 (the shorter row's first padding position)
+    mask = torch.tensor([[1, 1, 1], [1, 0, 0]]).bool()
+    t = Batch(ids[:, :3], types[:, :3], mask, torch.zeros(2), 4, np.array([3, 1])).to(cpu, 4, always_index=True).tokens
+    assert t.index.tolist() == [0, 1, 2, 3, 4, 4, 4, 4] and t.cu_seqlens.tolist() == [0, 3, 4, 7, 8]
+    # 5 real rows: 3 filler rows, as without always_index
+    t = Batch(ids[:, :3], types[:, :3], torch.tensor([[1, 1, 1], [1, 1, 0]]).bool(), torch.zeros(2), 5,
+              np.array([3, 2])).to(cpu, 4, always_index=True).tokens
+    assert t.index.tolist() == [0, 1, 2, 3, 4, 5, 5, 5]
+
+
+def test_always_index_keeps_the_loss_and_gradients_of_a_batch_without_padding():
+    """The filler rows of a batch without padding read its first token; no head reads them, so
+    that token's gradient gains exact zeros: the loss and every gradient are those of the batch
+    without an index (CPU, fp32, dropout off)."""
+    import numpy as np
+
+    from hpcbert.data.features import Batch
+
+    ids = torch.randint(5, TINY["vocab_size"], (3, 16), generator=torch.Generator().manual_seed(0))
+    types, labels = torch.zeros_like(ids), torch.tensor([0, 1, 1])
+    torch.manual_seed(0)
+    m = BertForSequenceClassification(BertConfig(**TINY, **NO_DROPOUT)).train()
+    out = {}
+    for always in (False, True):
+        b = Batch(ids, types, None, labels, ids.numel(), np.full(3, 16)).to(torch.device("cpu"), 32, always_index=always)
+        assert (b.tokens.index is None) != always
+        m.zero_grad()
+        loss = m.loss_sum(m(b.input_ids, b.padding, b.token_type_ids), labels)
+        loss.backward()
+        out[always] = float(loss.detach()), our_grads(m)
+    assert out[True][0] == pytest.approx(out[False][0], rel=1e-6)
+    assert_same_grads(out[True][1], out[False][1], tol=1e-6)
+
+
+def test_a_compiled_model_meets_one_graph_over_batches_with_and_without_padding(monkeypatch):
+    """The training loop's batches under --compile (always_index): a batch without padding, then
+    padded ones of other lengths and filler counts, make one graph where attention is PyTorch's
+    (the meta device takes CUDA's padded SDPA path; T a multiple of 16 throughout, past that path's
+    own alignment test). Without always_index the batch without padding is a graph of its own."""
+    import numpy as np
+
+    from hpcbert.data.features import Batch
+
+    torch.manual_seed(0)
+    m = BertForSequenceClassification(BertConfig(**TINY)).to("meta").train()
+    shapes = [(32, [32, 32]), (32, [32, 10]), (48, [48, 17]), (32, [30, 32])]
+
+    def graphs(always: bool) -> int:
+        made = []
+
+        def count(gm, example_inputs):
+            made.append(gm)
+            return gm.forward
+
+        torch._dynamo.reset()
+        run = torch.compile(m, dynamic=True, backend=count)
+        for T, lengths in shapes:
+            lengths = np.array(lengths)
+            mask = torch.from_numpy(np.arange(T)[None] < lengths[:, None])
+            b = Batch(torch.ones(2, T, dtype=torch.long), torch.zeros(2, T, dtype=torch.long),
+                      None if (lengths == T).all() else mask, torch.zeros(2, dtype=torch.long), int(lengths.sum()),
+                      lengths).to(torch.device("meta"), 8, always_index=always)
+            run(b.input_ids, b.padding, b.token_type_ids)
+        torch._dynamo.reset()
+        return len(made)
+
+    assert graphs(True) == 1
+    assert graphs(False) == 2
+
+
 @pytest.mark.parametrize("policy, multiple", [("none", 1), ("alternate", 1), ("selective", 1), ("none", 64),
                                               ("alternate", 64)])
 @pytest.mark.parametrize("head", ["BertForMaskedLM", "BertForPreTraining"])

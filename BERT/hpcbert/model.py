@@ -136,10 +136,16 @@ class Tokens:
                          None if index is None else index.to(device, non_blocking=nb), cu.to(device, non_blocking=nb))
 
     @staticmethod
-    def host_layout(lengths, T: int, multiple: int = 1) -> tuple[torch.Tensor | None, torch.Tensor]:
+    def host_layout(lengths, T: int, multiple: int = 1,
+                    always_index: bool = False) -> tuple[torch.Tensor | None, torch.Tensor]:
         """The layout's device tensors, computed on the host (CPU tensors, to be copied) from the
         lengths of rows whose real tokens come first (`collate`'s layout): the index of the real
-        tokens (None when nothing is padded) and the int32 cu_seqlens.
+        tokens (None when nothing is padded, unless `always_index`) and the int32 cu_seqlens.
+
+        `always_index`: a batch without padding gets an index too (every position), so that a
+        compiled model meets one layout: on a GPU a batch without an index is another graph (the
+        padded path, a guard on `index is None`), a compile of tens of seconds at a step nobody
+        can foresee (masked-LM batches of whole 128-token lines, results/gpu/run-mfu-mlm-compile-*).
 
         `multiple` > 1 rounds the row count of a padded batch up to a multiple of it with filler rows
         (`filler`): copies of one padding position, attending among themselves as sequences of their
@@ -148,13 +154,19 @@ class Tokens:
         picks a kernel for each new shape; `benchmarks/gpu.py hostcost`)."""
         lengths = np.asarray(lengths, dtype=np.int64)
         n = int(lengths.sum())
-        if n == len(lengths) * T:
+        if n == len(lengths) * T and not always_index:
             return None, Tokens._host_cu(lengths)
         index = np.flatnonzero(np.arange(T)[None, :] < lengths[:, None])
-        chunks = Tokens.filler(n, T, multiple)
+        # always_index: at least one filler row where there is filler at all, so that the index and
+        # its real-token part never have one size (traced, equal sizes become one symbol, and the
+        # first batch with filler would compile again)
+        chunks = Tokens.filler(n, T, multiple) or (Tokens._chunks(multiple, T) if always_index and multiple > 1 else [])
         if chunks:
-            b = int(lengths.argmin())  # a row with padding: its first padding position
-            index = np.concatenate([index, np.full(sum(chunks), b * T + int(lengths[b]), dtype=index.dtype)])
+            # a row with padding: its first padding position; without padding (always_index), the
+            # first token: filler reads it and no head reads the filler, so its gradient adds zeros
+            b = int(lengths.argmin())
+            at = b * T + int(lengths[b]) if lengths[b] < T else 0
+            index = np.concatenate([index, np.full(sum(chunks), at, dtype=index.dtype)])
         return torch.from_numpy(index), Tokens._host_cu([*lengths, *chunks])
 
     @staticmethod

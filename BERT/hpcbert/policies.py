@@ -356,7 +356,25 @@ def resolve_compile(mode: str, device: torch.device) -> bool:
     return mode == "on" or (mode == "auto" and COMPILE_AUTO.get(device.type, False))
 
 
+# Inductor settings under --compile, where the torch in use has them. A size threshold inductor
+# tests on a dynamic size becomes a guard, and a batch on its other side compiles the model again
+# (tens of seconds on a GPU). Seen on an H200 (torch 2.11, results/gpu/run-mfu-mlm-compile-a32faf0.log):
+# mix-order reduction (a LayerNorm backward's two reductions fused) is only tried above 5 Mi
+# elements, `768 * rows >= 5242880`, so a batch of short sequences recompiled. Non-strict mode drops
+# those size tests (the fusion is then also tried on small batches, where the whole tensor fits in L2).
+INDUCTOR_OPTIONS = {"triton.mix_order_reduction_non_strict_mode": True}
+
+
+def inductor_options() -> dict:
+    """INDUCTOR_OPTIONS that this torch's inductor knows (the names are inductor's own, and move)."""
+    import torch._inductor
+
+    known = set(torch._inductor.list_options())
+    return {k: v for k, v in INDUCTOR_OPTIONS.items() if k in known}
+
+
 def maybe_compile(model: nn.Module, enabled: bool) -> nn.Module:
     # dynamic=True: batches are padded to their longest sequence, so T varies from step to step
     # (and the number of real tokens with it). On CPU attention is a graph break (model.attention).
-    return torch.compile(model, dynamic=True) if enabled else model
+    # The training loop gives every batch an index (Batch.to's always_index), one layout.
+    return torch.compile(model, dynamic=True, options=inductor_options() or None) if enabled else model

@@ -155,17 +155,22 @@ class Batch:
         in the step), else the (B, T) mask."""
         return self.tokens if self.tokens is not None else self.attention_mask
 
-    def to(self, device: torch.device, token_multiple: int = 1) -> "Batch":
+    def to(self, device: torch.device, token_multiple: int = 1, always_index: bool = False) -> "Batch":
         """On `device`, with the unpadded layout (`model.Tokens`) built from the host lengths, its
-        rows rounded up to a multiple of `token_multiple` (`Tokens.host_layout`). To a GPU, every
-        tensor of the batch goes in one copy from pinned memory (`to_device`)."""
+        rows rounded up to a multiple of `token_multiple` (`Tokens.host_layout`; `always_index`: a
+        batch without padding gets an index and an all-true mask too, one layout for a compiled
+        model). To a GPU, every tensor of the batch goes in one copy from pinned memory (`to_device`)."""
         from ..model import Tokens
 
         labels = list(self.labels.values()) if isinstance(self.labels, dict) else [self.labels]
         B, T = self.input_ids.shape
-        index, cu = (None, None) if self.lengths is None else Tokens.host_layout(self.lengths, T, token_multiple)
+        index, cu = (None, None) if self.lengths is None else Tokens.host_layout(self.lengths, T, token_multiple,
+                                                                                 always_index)
+        mask = self.attention_mask
+        if mask is None and index is not None:
+            mask = torch.ones(B, T, dtype=torch.bool)
         ids, types, mask, index, cu, *labels = to_device(
-            [self.input_ids, self.token_type_ids, self.attention_mask, index, cu, *labels], device)
+            [self.input_ids, self.token_type_ids, mask, index, cu, *labels], device)
         labels = dict(zip(self.labels, labels)) if isinstance(self.labels, dict) else labels[0]
         tokens = None if self.lengths is None else Tokens.build(
             [int(L) for L in self.lengths], B, T, None if index is None else mask.bool(), index, cu)
