@@ -95,18 +95,19 @@ def cmd_throughput(a) -> int:
             name = f"gpu-{a.task}-b{B}-r{rep}"
             s = C.hpcbert_run(f"{name}-hp", work, a.threads, C.hpcbert_mrpc_args(
                 glue, "bf16", C.SEED, max_steps=a.steps, sampler="random", warmup_excluded=a.warmup_excluded,
-                log_every=1, task=a.task, model=MODEL, batch=B, tokenizer=a.tokenizer))
+                log_every=1, task=a.task, model=MODEL, batch=B, tokenizer=a.tokenizer) + ["--compile", a.hpcbert_compile])
             hp = C.hpcbert_record(s)
             hp.update(side="hpcbert", batch=B, repeat=rep, mfu=s.get("mfu"), peak_flops=s.get("peak_flops"),
-                      token_multiple=s.get("token_multiple"),
+                      token_multiple=s.get("token_multiple"), compile=s.get("compile"),
                       peak_flops_source=s.get("peak_flops_source"), model_flops_per_sec=s.get("model_flops_per_sec"),
                       attention=s.get("attention"))
             doc["runs"].append(hp)
             for conf in a.hf_configs:
+                opts = {"padding": "dynamic", **HF_CONFIGS[conf][1]}
                 hf = C.hf_run(f"{name}-hf-{conf}", work, a.threads, glue, work / "hf-json" / f"{name}-{conf}.json",
-                              padding="dynamic", precision="bf16", seed=C.SEED, max_steps=a.steps,
+                              precision="bf16", seed=C.SEED, max_steps=a.steps,
                               warmup_excluded=a.warmup_excluded, optim=a.hf_optim, task=a.task, order="hpcbert-random",
-                              model=MODEL, batch=B, tokenizer=a.tokenizer, **HF_CONFIGS[conf][1])
+                              model=MODEL, batch=B, tokenizer=a.tokenizer, **opts)
                 hf.update(side="hf", batch=B, repeat=rep, hf_config=conf)
                 doc["runs"].append(hf)
                 say(f"{name}: hpcbert {hp['steady_sequences_per_sec']:.0f} seq/s (MFU {hp['mfu'] or 0:.1%}), "
@@ -122,6 +123,8 @@ HF_CONFIGS = {
     "plain": ("dynamic padding", {}),
     "pad8": ("dynamic padding to a multiple of 8", {"pad_to_multiple_of": 8}),
     "compile": ("dynamic padding, torch_compile", {"torch_compile": True}),
+    # one shape, one compile: the Trainer's way to torch.compile without a graph per padded length
+    "compile-max": ("padded to the maximum length, torch_compile", {"torch_compile": True, "padding": "max_length"}),
 }
 
 
@@ -560,7 +563,9 @@ def render(results: Path = RESULTS) -> str:
                 f"the Trainer's slow steps: {_new_length_line(doc)} A whole fine-tuning run pays those too, but "
                 "less per step as lengths repeat."
                 + "".join(f" hpcbert's rows rounded up to a multiple of {m} (`--token-multiple`)." for m in sorted(
-                    {r.get("token_multiple") or 1 for r in doc["runs"] if r["side"] == "hpcbert"}) if m > 1),
+                    {r.get("token_multiple") or 1 for r in doc["runs"] if r["side"] == "hpcbert"}) if m > 1)
+                + (" hpcbert compiled (`--compile on`; its first compile in the steps left out)." if any(
+                    r.get("compile") for r in doc["runs"] if r["side"] == "hpcbert") else ""),
                 "", f"- {_where(doc)}", ""]
     for task, name in MFU_FILES.items():
         if not (results / name).is_file():
@@ -739,6 +744,7 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--warmup-excluded", type=int, default=10)
     t.add_argument("--repeats", type=int, default=2)
     t.add_argument("--hf-optim", default=None, help="TrainingArguments.optim (default: the Trainer's)")
+    t.add_argument("--hpcbert-compile", choices=("off", "on"), default="off", help="hpcbert's --compile")
     t.add_argument("--hf-configs", type=hf_config_list, default="plain,pad8,compile",
                    help="the Trainer's configurations, each on hpcbert's batches: " +
                         "; ".join(f"{k}: {v[0]}" for k, v in HF_CONFIGS.items()) + " (default: %(default)s)")
