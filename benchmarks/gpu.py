@@ -236,7 +236,8 @@ def cmd_mfu(a) -> int:
                    "steady_sequences_per_sec": s["steady_sequences_per_sec"], "tokens_per_sec": s["tokens_per_sec"],
                    "padded_tokens_per_sec": s["padded_tokens_per_sec"],
                    "steady_step_time_s": s["steady_step_time_s"], "wall_s": s["_wall_s"],
-                   "attention": s.get("attention"), "argv": s["_argv"]}
+                   "attention": s.get("attention"), "compile_steps": s.get("compile_steps"),
+                   "warmup_steps_excluded": s.get("warmup_steps_excluded"), "argv": s["_argv"]}
             doc["runs"].append(rec)
             say(f"mfu batch {B} compile {comp} norms {norms} token multiple {rec['token_multiple']}: "
                 f"{rec['steady_sequences_per_sec']:.0f} seq/s, "
@@ -594,11 +595,19 @@ def render(results: Path = RESULTS) -> str:
                     "fine-tuning batch); the model FLOPs are the encoder's on the real tokens, the last layer's "
                     "output projection and feed-forward at [CLS] only (and, in runs of commits after 6d701e8, the pooler "
                     "and the classifier at [CLS]: 0.01% of them)")
+        # a compile inside the measured steps (runs from 9e146b1 on record them): its time is in the row
+        late = [f"{_run_commit(doc, r)} batch {r['batch']} --compile {r['compile']}: " + ", ".join(
+                    f"step {c['step']} ({c['step_s']:.0f} s)" for c in r["compile_steps"]
+                    if c["step"] > (r.get("warmup_steps_excluded") or 0))
+                for r in doc["runs"] if any(c["step"] > (r.get("warmup_steps_excluded") or 0)
+                                            for c in r.get("compile_steps") or [])]
         out += [f"## MFU: {s['model']}, {what[0]}, {s['precision']}", "",
                 markdown_grid(["commit", "batch", "--compile", "--norm-precision", "--token-multiple", "seq/s", "real tokens/s",
                                "real tokens/seq", "model TFLOP/s", "MFU"], rows).rstrip("\n"),
                 "", f"{what[1]}. {s['steps']} steps, the first {s['warmup_steps_excluded']} left out; peak: "
-                f"{doc['runs'][0]['peak_flops_source'] if doc['runs'] else '—'}.", "",
+                f"{doc['runs'][0]['peak_flops_source'] if doc['runs'] else '—'}."
+                + (f" Compiled again inside the measured steps, that time in the row: {'; '.join(late)}." if late else ""),
+                "",
                 *_where_lines(doc), ""]
     for name in PROFILE_FILES.values():
         if not (results / name).is_file():

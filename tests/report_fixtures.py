@@ -53,6 +53,7 @@ def make_run(parent: str | Path, name: str, *, config: dict[str, Any] | None = N
         "task": cfg.task, "model": cfg.model, "model_is_random": False, "num_layers": 6,
         "hidden_size": 384, "max_seq_length": cfg.max_seq_length,
         "precision": "bf16" if cfg.precision == "auto" else cfg.precision, "compile": cfg.compile == "on",
+        "compile_steps": [{"step": 1, "graphs": 1, "step_s": 30.0}] if cfg.compile == "on" else None,
         "grad_ckpt": cfg.grad_ckpt, "ckpt_layers": _ckpt_layers(cfg.grad_ckpt, 6),
         "optimizer": cfg.optimizer, "lr": cfg.lr, "lr_scaling": cfg.lr_scaling, "seed": cfg.seed,
         "world_size": world_size, "nodes": nodes, "gpus_per_node": gpus_per_node,

@@ -175,6 +175,19 @@ def test_timed_steps_name_the_runs_of_a_row_where_they_differ(tmp_path):
             "them are untimed first steps") in cap
 
 
+def test_a_compile_inside_the_timed_steps_is_named_in_the_caption(tmp_path):
+    # Compiled runs: one compiled at step 1 only (an untimed first step), one again at step 16 (timed;
+    # make_run's runs time steps 11..N): only the second row is named, with its step and time.
+    make_run(tmp_path, "once", config={"compile": "on", "seed": 1}, steps_in_budget=900)
+    make_run(tmp_path, "again", config={"compile": "on", "lr": 1e-4}, steps_in_budget=900,
+             compile_steps=[{"step": 1, "graphs": 3, "step_s": 50.0}, {"step": 16, "graphs": 1, "step_s": 41.25}])
+    cap = report.caption_text(table_of(tmp_path))
+    assert "torch.compile compiled inside the timed steps of again: step 16 (41.2 s): that compile" in cap
+    assert "once:" not in cap and "step 1 (" not in cap
+    make_run(tmp_path / "eager", "plain")
+    assert "torch.compile compiled" not in report.caption_text(table_of(tmp_path / "eager"))
+
+
 def test_markdown_leaves_columns_that_are_the_same_in_every_row_to_the_caption(tmp_path):
     make_study(tmp_path)
     table = table_of(tmp_path / "scaling")

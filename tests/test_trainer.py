@@ -415,7 +415,7 @@ def test_plain_torchrun_without_out_gives_every_rank_one_directory(tmp_path):
 def test_compile_trains_the_same_losses_as_eager(tmp_path):
     common = ["train", "--model", "bert-tiny", "--max-steps", 3, "--batch-size", 8, "--dropout", 0, "--precision",
               "fp32", "--log-every", 1, "--no-do-eval", "--threads", 1]
-    r = cli(*common, "--compile", "--out", tmp_path / "compiled", timeout=900)
+    r = r_compiled = cli(*common, "--compile", "--out", tmp_path / "compiled", timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]
     r = cli(*common, "--out", tmp_path / "eager")
     assert r.returncode == 0, r.stderr[-3000:]
@@ -423,6 +423,11 @@ def test_compile_trains_the_same_losses_as_eager(tmp_path):
     eager = [m["loss"] for m in read_metrics(tmp_path / "eager")]
     assert read_summary(tmp_path / "compiled")["compile"] is True
     assert len(compiled) == 3 and compiled == pytest.approx(eager, rel=1e-5)
+    # the first step compiles (the model has run nowhere before), reported apart and in the log
+    steps = read_summary(tmp_path / "compiled")["compile_steps"]
+    assert steps[0]["step"] == 1 and steps[0]["graphs"] >= 1 and steps[0]["step_s"] > 0
+    assert "step 1: torch.compile made" in r_compiled.stderr
+    assert read_summary(tmp_path / "eager")["compile_steps"] is None
 
 
 def test_the_summary_says_in_what_precision_the_layer_norms_ran(tmp_path):

@@ -373,6 +373,13 @@ def inductor_options() -> dict:
     return {k: v for k, v in INDUCTOR_OPTIONS.items() if k in known}
 
 
+def compiled_graphs() -> int:
+    """Graphs torch.compile has made in this process so far (dynamo's count; a recompile is one more)."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
 def maybe_compile(model: nn.Module, enabled: bool) -> nn.Module:
     # dynamic=True: batches are padded to their longest sequence, so T varies from step to step
     # (and the number of real tokens with it). On CPU attention is a graph break (model.attention).

@@ -94,6 +94,7 @@ class StepRecord:
     sequences: int
     lr: float
     epoch: float
+    graphs: int = 0    # graphs torch.compile made while the host ran it (--compile)
 
 
 class LRSchedule:
@@ -212,6 +213,7 @@ class Trainer:
         self.compiled = policies.resolve_compile(cfg.compile, d.device)
         self.token_multiple = policies.resolve_token_multiple(cfg.token_multiple, d.device, self.precision)
         self.model = policies.maybe_compile(model, self.compiled)
+        self.compile_steps: list[dict] = []  # the steps in which torch.compile made graphs (summary)
         self.optimizer = make_optimizer(cfg, self.raw, self.plan.lr, d.device)
         self.schedule = LRSchedule(self.plan.warmup_steps, self.plan.total_steps,
                                    cfg.poly_power if cfg.lr_decay == "poly" else 1.0)
@@ -423,9 +425,12 @@ class Trainer:
                 batches = order(st.epoch)
             t0 = time.perf_counter()
             gb = batches[st.pos]
+            graphs = policies.compiled_graphs() if self.compiled else 0
             loss, grad_norm, counts = self.step(gb, st.epoch)
+            graphs = policies.compiled_graphs() - graphs if self.compiled else 0
             st.step, st.pos, st.sequences = st.step + 1, st.pos + 1, st.sequences + len(gb)
-            rec = StepRecord(st.step, t0, len(gb), self.scheduler.get_last_lr()[0], st.epoch + st.pos / len(batches))
+            rec = StepRecord(st.step, t0, len(gb), self.scheduler.get_last_lr()[0], st.epoch + st.pos / len(batches),
+                             graphs)
             nonfinite = (~torch.isfinite(grad_norm)).to(torch.float64)
             agree.post(rec, [*self._requests(), *counts], [loss, nonfinite, grad_norm])
             stop, save_due, eval_due = self._take(agree.ready())
@@ -535,6 +540,10 @@ class Trainer:
         deadline = self.stops.budget_deadline
         self.meter.add(seconds, rec.sequences, int(tokens), int(padded), flops, end,
                        in_budget=deadline is None or end <= deadline)
+        if rec.graphs:  # a compile (or a recompile) inside this step: its time is in the step's
+            self.compile_steps.append({"step": rec.step, "graphs": rec.graphs, "step_s": round(seconds, 3)})
+            log(d, f"step {rec.step}: torch.compile made {rec.graphs} graph(s) in this step, which took "
+                   f"{seconds:.1f} s")
         loss, grad_norm = loss / d.world_size, grad_norm / d.world_size
         st.tokens += int(tokens)
         st.window_loss.append(loss)
@@ -764,6 +773,7 @@ class Trainer:
             "norm_precision": self.norm_precision,
             "host_allocator": d.host_allocator,
             "compile": self.compiled,
+            "compile_steps": self.compile_steps if self.compiled else None,
             "token_multiple": self.token_multiple,
             "grad_ckpt": cfg.grad_ckpt,
             "ckpt_layers": self.ckpt_layers,

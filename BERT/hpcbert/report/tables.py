@@ -387,6 +387,23 @@ def _timed_steps_line(groups: Sequence[Sequence[dict]]) -> str:
     return f"Timed steps per row: {'; '.join(parts)} ({untimed})."
 
 
+def _compiles_line(groups: Sequence[Sequence[dict]]) -> str | None:
+    """The rows whose timed steps include a torch.compile compile (summary compile_steps): its time
+    is in their steady figures. None where no row's does."""
+    parts = []
+    for g in groups:
+        for r in g:
+            rng = _timed_steps(r["summary"])
+            inside = [c for c in r["summary"].get("compile_steps") or []
+                      if rng and rng[0] <= c["step"] <= rng[1]]
+            if inside:
+                run = f" ({r['label']})" if len(g) > 1 else ""
+                parts.append(f"{group_label(g)}{run}: "
+                             + ", ".join(f"step {c['step']} ({c['step_s']:.1f} s)" for c in inside))
+    return ("torch.compile compiled inside the timed steps of " + "; ".join(parts)
+            + ": that compile time is in the row's throughput.") if parts else None
+
+
 def _method_text(sums: Sequence[dict]) -> str:
     """How throughput was measured, without the per-run step range (the timed-steps line names
     those) and in the report's words: 'untimed first steps', never 'warm-up', which the training
@@ -435,6 +452,8 @@ def _caption(runs: Sequence[dict], groups: Sequence[Sequence[dict]], table: pd.D
         lines.append("Not measured in any row: " + ", ".join(absent) + ".")
     lines.append(f"Throughput: {_method_text(sums)}")
     lines.append(_timed_steps_line(groups))
+    if (compiles := _compiles_line(groups)) is not None:
+        lines.append(compiles)
     kinds = sorted({str(s["peak_memory_kind"]) for s in sums})
     lines.append(f"Peak memory: {', '.join(kinds)}.")
     splits = sorted({sp for s in sums for sp in s["eval"]})
