@@ -629,6 +629,22 @@ def render(results: Path = RESULTS) -> str:
                 "grouped by name (`gpu.PROFILE_GROUPS`). Device busy is their sum; the rest of the step is "
                 "time the device waited for the host.", "",
                 *_where_lines(doc), ""]
+    att = results / "attention.json"
+    if att.is_file():  # benchmarks/gpu_attention.py
+        doc = C.read_json(att)
+        out += [f"## Attention kernels: batch {doc['batch']}, {doc['heads']} heads of {doc['head_dim']}, lengths "
+                f"{doc['lengths'][0]}-{doc['lengths'][1]}, {doc['dtype']}, {doc['device']}", ""]
+        for t in doc["tables"]:
+            rows = [[r["variant"], f"{r['median_ms']:.3f}", f"**{r['ratio_to_training_path']:.2f}x**",
+                     f"{r['max_abs_diff_without_dropout']:.1e}"] for r in t["rows"]]
+            rows += [[name, "refused", "—", err] for name, err in t["refused"].items()]
+            out += [f"Attention dropout {t['dropout']}:", "",
+                    markdown_grid(["kernel", "forward + backward ms (median)", "against the training path",
+                                   "max abs difference without dropout"], rows).rstrip("\n"), ""]
+        out += [f"{doc['real_tokens']} real tokens of {doc['padded_tokens']} padded; the training path is "
+                "`model.attention` (flash varlen over the unpadded rows), the padded kernels run "
+                "`model.padded_attention` (padding and unpadding included) under `sdpa_kernel`; in one process, the "
+                "variants in rotating order each round.", "", f"- `{doc['command']}`, {doc['date']}, torch {doc['torch']}", ""]
     hc = results / "hostcost.json"
     if hc.is_file():
         doc = C.read_json(hc)

@@ -63,6 +63,10 @@ PARTS=" ${PARTS:-mfu large tests} "
 [[ $PARTS == *" activation "* ]] && part "${T_ACTIVATION:-120}" activation \
     python3 benchmarks/gpu_activation_check.py "${ACTIVATION_TASKS:-synthetic,mlm}" "${ACTIVATION_MODELS:-bert-base}" \
     > "$OUT/activation.txt" 2>&1
+# attention kernels on one batch, forward and backward: flash varlen (the training path) against SDPA's
+# backends on the padded layout and torch's varlen_attn (opt-in, ~30 s)
+[[ $PARTS == *" attention "* ]] && part "${T_ATTENTION:-90}" attention \
+    python3 benchmarks/gpu_attention.py --out "$OUT/attention.json" > "$OUT/attention.txt" 2>&1
 # host time per matmul call, a row count met before against a new one (opt-in, ~20 s)
 [[ $PARTS == *" hostcost "* ]] && part "${T_HOSTCOST:-60}" hostcost python3 benchmarks/gpu.py hostcost --results-dir "$OUT"
 # offload's plan and probe for 8 GiB of host memory: each probe pins its batch's activations anew
