@@ -596,11 +596,12 @@ def render(results: Path = RESULTS) -> str:
                     "output projection and feed-forward at [CLS] only (and, in runs of commits after 6d701e8, the pooler "
                     "and the classifier at [CLS]: 0.01% of them)")
         # a compile inside the measured steps (runs from 9e146b1 on record them): its time is in the row
-        late = [f"{_run_commit(doc, r)} batch {r['batch']} --compile {r['compile']}: " + ", ".join(
-                    f"step {c['step']} ({c['step_s']:.0f} s)" for c in r["compile_steps"]
-                    if c["step"] > (r.get("warmup_steps_excluded") or 0))
-                for r in doc["runs"] if any(c["step"] > (r.get("warmup_steps_excluded") or 0)
-                                            for c in r.get("compile_steps") or [])]
+        late = []
+        for r in doc["runs"]:
+            inside = [c for c in r.get("compile_steps") or [] if c["step"] > (r.get("warmup_steps_excluded") or 0)]
+            if inside:
+                late.append(f"{_run_commit(doc, r)} batch {r['batch']} --compile {r['compile']}: "
+                            + ", ".join(f"step {c['step']} ({c['step_s']:.0f} s)" for c in inside))
         out += [f"## MFU: {s['model']}, {what[0]}, {s['precision']}", "",
                 markdown_grid(["commit", "batch", "--compile", "--norm-precision", "--token-multiple", "seq/s", "real tokens/s",
                                "real tokens/seq", "model TFLOP/s", "MFU"], rows).rstrip("\n"),
