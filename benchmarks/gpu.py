@@ -518,6 +518,12 @@ def _where_lines(doc: dict) -> list[str]:
     return [f"- {_where(d)}" for d in (found.values() or [doc])]
 
 
+def _late_compiles(run: dict, warmup: int) -> list[dict]:
+    """A run's compile steps (hpcbert's summary `compile_steps`) after its `warmup` left-out steps:
+    their compile time is in its measured figures. None recorded (runs before 0e32550): []."""
+    return [c for c in run.get("compile_steps") or [] if c["step"] > warmup]
+
+
 def _names(names: list[str]) -> str:
     """'a, b, c' for a few; 'a ... z (N files)' for more."""
     return ", ".join(names) if len(names) <= 4 else f"{names[0]} ... {names[-1]} ({len(names)} files)"
@@ -570,7 +576,7 @@ def render(results: Path = RESULTS) -> str:
                     r.get("compile") for r in doc["runs"] if r["side"] == "hpcbert") else "")
                 + "".join(f" hpcbert at batch {r['batch']} compiled again at step {c['step']} ({c['step_s']:.0f} s), "
                           "inside its measured steps." for r in doc["runs"] if r["side"] == "hpcbert"
-                          for c in r.get("compile_steps") or [] if c["step"] > s["warmup_steps_excluded"]),
+                          for c in _late_compiles(r, s["warmup_steps_excluded"])),
                 "", f"- {_where(doc)}", ""]
     for task, name in MFU_FILES.items():
         if not (results / name).is_file():
@@ -600,12 +606,9 @@ def render(results: Path = RESULTS) -> str:
                     "output projection and feed-forward at [CLS] only (and, in runs of commits after 6d701e8, the pooler "
                     "and the classifier at [CLS]: 0.01% of them)")
         # a compile inside the measured steps (runs from 9e146b1 on record them): its time is in the row
-        late = []
-        for r in doc["runs"]:
-            inside = [c for c in r.get("compile_steps") or [] if c["step"] > (r.get("warmup_steps_excluded") or 0)]
-            if inside:
-                late.append(f"{_run_commit(doc, r)} batch {r['batch']} --compile {r['compile']}: "
-                            + ", ".join(f"step {c['step']} ({c['step_s']:.0f} s)" for c in inside))
+        late = [f"{_run_commit(doc, r)} batch {r['batch']} --compile {r['compile']}: "
+                + ", ".join(f"step {c['step']} ({c['step_s']:.0f} s)" for c in inside)
+                for r in doc["runs"] if (inside := _late_compiles(r, r.get("warmup_steps_excluded") or 0))]
         out += [f"## MFU: {s['model']}, {what[0]}, {s['precision']}", "",
                 markdown_grid(["commit", "batch", "--compile", "--norm-precision", "--token-multiple", "seq/s", "real tokens/s",
                                "real tokens/seq", "model TFLOP/s", "MFU"], rows).rstrip("\n"),

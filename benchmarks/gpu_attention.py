@@ -61,17 +61,35 @@ def variants(cuda: bool, p: float) -> dict:
     return out
 
 
+def positive(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: a whole number of at least 1")
+    return int(text)
+
+
+def dropouts(text: str) -> list[float]:
+    try:
+        values = [float(x) for x in text.split(",")]
+    except ValueError:
+        values = []
+    if not values or not all(0.0 <= v < 1.0 for v in values):
+        raise argparse.ArgumentTypeError(f"{text!r}: comma-separated probabilities in [0, 1), e.g. 0.1,0.0")
+    return values
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--batch", type=int, default=256)
-    ap.add_argument("--heads", type=int, default=12)
-    ap.add_argument("--head-dim", type=int, default=64)
-    ap.add_argument("--min-len", type=int, default=8)
-    ap.add_argument("--max-len", type=int, default=128)
-    ap.add_argument("--dropouts", default="0.1,0.0", help="attention dropout values, each a table")
-    ap.add_argument("--rounds", type=int, default=20)
+    ap.add_argument("--batch", type=positive, default=256)
+    ap.add_argument("--heads", type=positive, default=12)
+    ap.add_argument("--head-dim", type=positive, default=64)
+    ap.add_argument("--min-len", type=positive, default=8)
+    ap.add_argument("--max-len", type=positive, default=128)
+    ap.add_argument("--dropouts", type=dropouts, default="0.1,0.0", help="attention dropout values, each a table")
+    ap.add_argument("--rounds", type=positive, default=20)
     ap.add_argument("--out", default=None, help="JSON file for the figures")
     a = ap.parse_args(argv)
+    if a.min_len > a.max_len:
+        ap.error(f"--min-len {a.min_len} is above --max-len {a.max_len}")
     cuda = torch.cuda.is_available()
     dev = torch.device("cuda" if cuda else "cpu")
     if not cuda:  # a check that the script runs
@@ -111,7 +129,7 @@ def main(argv=None) -> int:
            "real_tokens": n, "padded_tokens": a.batch * T, "dtype": str(dtype).removeprefix("torch."), "tables": []}
     if hasattr(torch.nn.attention, "list_flash_attention_impls"):
         doc["flash_impls"] = list(torch.nn.attention.list_flash_attention_impls())
-    for p in (float(x) for x in a.dropouts.split(",")):
+    for p in a.dropouts:
         vs = variants(cuda, p)
         ref_name = next(iter(vs))
         usable, errors, diffs = {}, {}, {}
