@@ -111,3 +111,28 @@ def test_a_batch_goes_to_the_gpu_without_waiting_for_it():
     assert packed < 0.1 < blocking, (packed, blocking)
     assert torch.equal(moved.input_ids.cpu(), b.input_ids) and torch.equal(moved.labels.cpu(), b.labels)
     assert moved.tokens.cu_seqlens.tolist() == [0, 30, 80, 100]
+
+
+def test_the_agreement_is_read_without_waiting_for_the_step_queued_after_it():
+    """One step late (Agreement's lag on CUDA), reading step N's agreed values waits for step N,
+    not for step N+1 already queued behind it: the host then prepares step N+2 while N+1 runs. The
+    control: reading N+1's values waits for the ~1 s of work queued before them."""
+    import time
+
+    from hpcbert import dist
+
+    d = dist.Dist(0, 1, 0, 1, torch.device("cuda"))
+    a = dist.Agreement(d)
+    assert a.lag == 1
+    x = torch.ones((), device="cuda")
+    a.post("step 1", [1.0, 2.0], [x * 3])
+    torch.cuda._sleep(2_000_000_000)  # step 2's work: the GPU busy for ~1 s
+    a.post("step 2", [4.0, 5.0], [x * 6])
+    t = time.perf_counter()
+    first = a.ready()
+    waited = time.perf_counter() - t
+    t = time.perf_counter()
+    second = a.ready(flush=True)
+    drained = time.perf_counter() - t
+    assert first == [("step 1", [1.0, 2.0, 3.0])] and second == [("step 2", [4.0, 5.0, 6.0])]
+    assert waited < 0.1 < drained, (waited, drained)

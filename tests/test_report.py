@@ -186,6 +186,16 @@ def test_a_compile_inside_the_timed_steps_is_named_in_the_caption(tmp_path):
     assert "once:" not in cap and "step 1 (" not in cap
     make_run(tmp_path / "eager", "plain")
     assert "torch.compile compiled" not in report.caption_text(table_of(tmp_path / "eager"))
+    # a run that left its compile step out of the steady figures says so in throughput_method
+    make_run(tmp_path / "left", "left", config={"compile": "on"}, steps_in_budget=900,
+             compile_steps=[{"step": 1, "graphs": 1, "step_s": 50.0}, {"step": 31, "graphs": 1, "step_s": 55.5}],
+             throughput_method="summed step times of steps 11..900 (the first 10 excluded from timing, and step 31, in "
+                               "which torch.compile compiled); a step runs from its first batch to the end of the "
+                               "optimizer step")
+    cap = report.caption_text(table_of(tmp_path / "left"))
+    assert ("torch.compile compiled again after the untimed first steps of left: step 31 (55.5 s): those steps are "
+            "left out of the row's steady figures") in cap
+    assert "that compile time is in the row's throughput" not in cap and "Timed steps: 11..900 in every run" in cap
 
 
 def test_markdown_leaves_columns_that_are_the_same_in_every_row_to_the_caption(tmp_path):

@@ -167,6 +167,40 @@ def test_agreement_keeps_lag_results_pending_until_flushed():
     assert a.ready(flush=True) == [("s2", [4.0, 5.0, 6.0])]
 
 
+@pytest.mark.parametrize("lag", [0, 1])
+def test_a_compile_is_timed_in_the_step_that_compiled_also_when_read_a_step_late(monkeypatch, tmp_path, lag):
+    """A compile is host time inside one step. Read one step late (the GPU's lag), the interval that
+    ends at step 2's reading holds step 3's host part: the compile's seconds belong to step 3.
+    Stand-in: step 3 sleeps 0.6 s and dynamo's graph count goes up by one in it (no real compile)."""
+    pause, calls, graphs = 0.6, [0], [0]
+    real_step, real_init = Trainer.step, dist.Agreement.__init__
+
+    def step(self, gb, epoch=0):
+        calls[0] += 1
+        if calls[0] == 3:
+            time.sleep(pause)
+            graphs[0] += 1
+        return real_step(self, gb, epoch)
+
+    monkeypatch.setattr(policies, "resolve_compile", lambda mode, device: True)
+    monkeypatch.setattr(policies, "maybe_compile", lambda model, enabled: model)
+    monkeypatch.setattr(policies, "compiled_graphs", lambda: graphs[0])
+    monkeypatch.setattr(Trainer, "step", step)
+    monkeypatch.setattr(dist.Agreement, "__init__", lambda self, d, lag_=None: real_init(self, d, lag=lag))
+    s = train(RunConfig(**TINY, max_steps=5, out=str(tmp_path / "run")))
+    times = {m["step"]: m["step_time_s"] for m in read_metrics(tmp_path / "run")}
+    (c,) = s["compile_steps"]
+    assert (c["step"], c["graphs"]) == (3, 1)
+    assert c["host_s"] >= pause and c["step_s"] >= pause and times[3] >= pause
+    # the other steps: a tiny model's (tens of ms), none holding the pause
+    assert max(t for k, t in times.items() if k != 3) < pause / 2, times
+    # the steady figures: the timed steps (2..5 of 5: the first is untimed) less the compile step,
+    # reported apart
+    assert s["warmup_steps_excluded"] == 1 and "and step 3, in which torch.compile compiled" in s["throughput_method"]
+    assert s["steady_step_time_s"] == pytest.approx(np.median([times[2], times[4], times[5]]), rel=1e-3)
+    assert s["steady_sequences_per_sec"] == pytest.approx(3 * 8 / (times[2] + times[4] + times[5]), rel=1e-3)
+
+
 # --- the LR schedule fitted to the time box ----------------------------------------------------
 
 def test_lr_schedule_warmup_then_linear_decay_and_refit():

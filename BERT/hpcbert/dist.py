@@ -326,9 +326,11 @@ class Agreement:
     A step posts a float64 vector (stop request, signals, save request, loss, non-finite
     gradient, token counts, ...); values only rank 0 may set (its clock, its view of the stop file)
     are zero elsewhere, so the sum is rank 0's value. On CUDA the vector is built and reduced on
-    the device without waiting for it; the host reads it `lag` steps later (one step behind by
-    default), while the next step already runs, so the device is never left idle. On CPU the
-    result is read at once (nothing to overlap)."""
+    the device without waiting for it, and copied back into pinned host memory behind that step's
+    work alone (an event marks the copy); the host reads it `lag` steps later (one step behind by
+    default), waiting for that copy only, while the next step stays queued on the device, which is
+    never left idle. (A read of the device vector itself would wait for every step queued after it
+    too.) On CPU the result is read at once (nothing to overlap)."""
 
     def __init__(self, d: Dist, lag: int | None = None):
         self.d = d
@@ -344,14 +346,23 @@ class Agreement:
         vec = torch.cat(parts) if len(parts) > 1 else h
         if self.d.active:
             dist.all_reduce(vec)  # NCCL: stream-ordered, returns without waiting for the device
-        self.pending.append((tag, vec))
+        copied = None
+        if vec.is_cuda:
+            host_vec = torch.empty(vec.shape, dtype=vec.dtype, pin_memory=True)
+            host_vec.copy_(vec, non_blocking=True)  # queued behind this step, before the next one
+            copied = torch.cuda.Event()
+            copied.record()
+            vec = host_vec
+        self.pending.append((tag, vec, copied))
 
     def ready(self, flush: bool = False) -> list[tuple[Any, list[float]]]:
         """Results whose turn has come (all of them with flush=True), oldest first."""
         out = []
         while self.pending and (flush or len(self.pending) > self.lag):
-            tag, vec = self.pending.pop(0)
-            out.append((tag, vec.tolist()))  # CPU-GPU sync point, `lag` steps behind the device
+            tag, vec, copied = self.pending.pop(0)
+            if copied is not None:
+                copied.synchronize()  # CPU-GPU sync point: this step's copy, `lag` steps behind the device
+            out.append((tag, vec.tolist()))
         return out
 
 

@@ -41,10 +41,12 @@ class StepMeter:
     flops: list[float] = field(default_factory=list)         # model FLOPs of the step
     ends: list[float] = field(default_factory=list)          # wall-clock end of each step
     in_budget: list[bool] = field(default_factory=list)      # ended inside its segment's time box
+    compiled: list[bool] = field(default_factory=list)       # torch.compile made graphs in it
 
     def add(self, seconds: float, sequences: int, tokens: int, padded: int, flops: float, end: float,
-            in_budget: bool = True) -> None:
+            in_budget: bool = True, compiled: bool = False) -> None:
         self.in_budget.append(in_budget)
+        self.compiled.append(compiled)
         self.times.append(seconds)
         self.sequences.append(sequences)
         self.tokens.append(tokens)
@@ -61,19 +63,26 @@ class StepMeter:
         run has at least 2 steps (the first step pays for lazy initialisation everywhere)."""
         return 0 if steps < 2 else max(1, min(10, steps // 5))
 
+    def timed(self, warmup: int) -> list[int]:
+        """The steps (positions) the steady figures come from: those after the first `warmup`, less
+        the steps in which torch.compile compiled (a recompile of tens of seconds is not the steady
+        state; the run reports it apart, in its summary's compile_steps)."""
+        return [i for i in range(warmup, len(self.times)) if not self.compiled[i]]
+
     def steady(self, warmup: int) -> dict[str, float | None]:
-        t = np.asarray(self.times[warmup:])
+        keep = self.timed(warmup)
+        t = np.asarray([self.times[i] for i in keep])
         if len(t) == 0 or t.sum() <= 0:
             return {k: None for k in ("steady_steps_per_sec", "steady_sequences_per_sec", "steady_step_time_s",
                                       "tokens_per_sec", "padded_tokens_per_sec", "model_flops_per_sec")}
         total = float(t.sum())
         return {
             "steady_steps_per_sec": len(t) / total,
-            "steady_sequences_per_sec": sum(self.sequences[warmup:]) / total,
+            "steady_sequences_per_sec": sum(self.sequences[i] for i in keep) / total,
             "steady_step_time_s": float(np.median(t)),
-            "tokens_per_sec": sum(self.tokens[warmup:]) / total,
-            "padded_tokens_per_sec": sum(self.padded_tokens[warmup:]) / total,
-            "model_flops_per_sec": sum(self.flops[warmup:]) / total,
+            "tokens_per_sec": sum(self.tokens[i] for i in keep) / total,
+            "padded_tokens_per_sec": sum(self.padded_tokens[i] for i in keep) / total,
+            "model_flops_per_sec": sum(self.flops[i] for i in keep) / total,
         }
 
 

@@ -41,7 +41,7 @@ SUMMARY_KEYS: dict[str, str] = {
     "tf32": "fp32 matmuls on TF32 tensor cores (CUDA, compute capability >= 8.0)",
     "norm_precision": "LayerNorms and the residual stream: low (in the bf16/fp16 of autocast) or fp32 (autocast's rule; every fp32 run); null: a run from before --norm-precision, fp32",
     "compile": "torch.compile used",
-    "compile_steps": "with --compile: the steps in which torch.compile made graphs, each {step, graphs, step_s}; a step after the warm-up here has its compile time in the steady figures; null without --compile",
+    "compile_steps": "with --compile: the steps in which torch.compile made graphs, each {step, graphs, step_s, host_s: the host's part of that step, the compile in it (absent in runs before it was recorded)}; a step after the warm-up here is left out of the steady figures, as throughput_method says (runs whose throughput_method does not say so have its compile time in them); null without --compile",
     "token_multiple": "a padded micro-batch's real-token rows rounded up to a multiple of this with filler rows no head reads (1: none; --token-multiple)",
     "host_allocator": "glibc-retain (freed host memory kept mapped for the next step: dist.tune_host_allocator) or system",
     "grad_ckpt": "gradient checkpointing policy",

@@ -95,6 +95,7 @@ class StepRecord:
     lr: float
     epoch: float
     graphs: int = 0    # graphs torch.compile made while the host ran it (--compile)
+    host_s: float = 0.0  # the host's part of the step (a compile in it included)
 
 
 class LRSchedule:
@@ -214,6 +215,10 @@ class Trainer:
         self.token_multiple = policies.resolve_token_multiple(cfg.token_multiple, d.device, self.precision)
         self.model = policies.maybe_compile(model, self.compiled)
         self.compile_steps: list[dict] = []  # the steps in which torch.compile made graphs (summary)
+        # compile steps posted and not yet recorded -> their host seconds; those whose host time an
+        # earlier step's interval held, moved to them (`_record`)
+        self.compiling: dict[int, float] = {}
+        self.compile_moved: dict[int, float] = {}
         self.optimizer = make_optimizer(cfg, self.raw, self.plan.lr, d.device)
         self.schedule = LRSchedule(self.plan.warmup_steps, self.plan.total_steps,
                                    cfg.poly_power if cfg.lr_decay == "poly" else 1.0)
@@ -430,7 +435,9 @@ class Trainer:
             graphs = policies.compiled_graphs() - graphs if self.compiled else 0
             st.step, st.pos, st.sequences = st.step + 1, st.pos + 1, st.sequences + len(gb)
             rec = StepRecord(st.step, t0, len(gb), self.scheduler.get_last_lr()[0], st.epoch + st.pos / len(batches),
-                             graphs)
+                             graphs, time.perf_counter() - t0)
+            if graphs:
+                self.compiling[st.step] = rec.host_s
             nonfinite = (~torch.isfinite(grad_norm)).to(torch.float64)
             agree.post(rec, [*self._requests(), *counts], [loss, nonfinite, grad_norm])
             stop, save_due, eval_due = self._take(agree.ready())
@@ -536,14 +543,24 @@ class Trainer:
         # From its start, or from the previous step's end when steps overlap on the device (lag).
         seconds = now - max(rec.start, self.last_observed)
         self.last_observed = now
+        # Read `lag` steps late, this interval also holds the host part of the steps posted since. A
+        # compile there (tens of seconds) is moved to the step that compiled, whose own interval
+        # begins after it.
+        for later, host_s in self.compiling.items():
+            if later > rec.step and later not in self.compile_moved:
+                self.compile_moved[later] = host_s
+                seconds -= host_s
+        seconds = max(seconds, 1e-6) + self.compile_moved.pop(rec.step, 0.0)
+        host_s = self.compiling.pop(rec.step, None)
         end = self.last_end = time.time()
         deadline = self.stops.budget_deadline
         self.meter.add(seconds, rec.sequences, int(tokens), int(padded), flops, end,
-                       in_budget=deadline is None or end <= deadline)
-        if rec.graphs:  # a compile (or a recompile) inside this step: its time is in the step's
-            self.compile_steps.append({"step": rec.step, "graphs": rec.graphs, "step_s": round(seconds, 3)})
+                       in_budget=deadline is None or end <= deadline, compiled=bool(rec.graphs))
+        if rec.graphs:  # a compile (or a recompile) inside this step: left out of the steady figures
+            self.compile_steps.append({"step": rec.step, "graphs": rec.graphs, "step_s": round(seconds, 3),
+                                       "host_s": round(host_s, 3)})
             log(d, f"step {rec.step}: torch.compile made {rec.graphs} graph(s) in this step, which took "
-                   f"{seconds:.1f} s")
+                   f"{seconds:.1f} s ({host_s:.1f} s on the host)")
         loss, grad_norm = loss / d.world_size, grad_norm / d.world_size
         st.tokens += int(tokens)
         st.window_loss.append(loss)
@@ -653,6 +670,8 @@ class Trainer:
         self.scaler.load_state_dict(shared["scaler"])
         for k, v in shared["meter"].items():
             setattr(self.meter, k, list(v))
+        if len(self.meter.compiled) < len(self.meter):  # a checkpoint from before the meter kept it
+            self.meter.compiled = [False] * len(self.meter)
         for k, v in shared["loop"].items():
             setattr(st, k, v)
         st.resumed_from_step = ck.step
@@ -805,8 +824,9 @@ class Trainer:
             "tokens_per_sec": steady["tokens_per_sec"],
             "padded_tokens_per_sec": steady["padded_tokens_per_sec"],
             "throughput_method": (f"summed step times of steps {warmup + 1}..{len(meter)} (the first {warmup} "
-                                  f"excluded from timing); a step runs from its first batch to the end of the optimizer step, so "
-                                  f"evaluation, checkpoint and logging time is excluded"),
+                                  f"excluded from timing{self._compiles_left_out(warmup)}); a step runs from its first "
+                                  f"batch to the end of the optimizer step, so evaluation, checkpoint and logging time is "
+                                  f"excluded"),
             "time_budget_s": cfg.time_budget,
             "steps_in_budget": in_budget[0] if in_budget else None,
             "sequences_in_budget": in_budget[1] if in_budget else None,
@@ -830,9 +850,15 @@ class Trainer:
             "git_commit": meters.git_commit(),
         }
 
+    def _compiles_left_out(self, warmup: int) -> str:
+        """', and step 16, in which torch.compile compiled' for compile steps among the timed ones."""
+        late = [str(i + 1) for i in range(warmup, len(self.meter)) if self.meter.compiled[i]]
+        return f", and step{'s' if len(late) > 1 else ''} {', '.join(late)}, in which torch.compile compiled" \
+            if late else ""
+
     def _per_rank_step_times(self, warmup: int) -> dict | None:
         """Median steady step time of every rank, gathered: a slow GPU or node shows up here."""
-        t = self.meter.times[warmup:]
+        t = [self.meter.times[i] for i in self.meter.timed(warmup)]
         values = dist.all_gather_floats(self.d, float(np.median(t)) if t else float("nan"))
         if not t:
             return None

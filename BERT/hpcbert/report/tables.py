@@ -388,9 +388,10 @@ def _timed_steps_line(groups: Sequence[Sequence[dict]]) -> str:
 
 
 def _compiles_line(groups: Sequence[Sequence[dict]]) -> str | None:
-    """The rows whose timed steps include a torch.compile compile (summary compile_steps): its time
-    is in their steady figures. None where no row's does."""
-    parts = []
+    """The rows with a torch.compile compile among their timed steps (summary compile_steps). A run
+    that leaves such a step out of its steady figures says so in its throughput_method; in a run
+    from before it did, the compile's time is in the figures. None where no row has one."""
+    held, left = [], []
     for g in groups:
         for r in g:
             rng = _timed_steps(r["summary"])
@@ -398,10 +399,16 @@ def _compiles_line(groups: Sequence[Sequence[dict]]) -> str | None:
                       if rng and rng[0] <= c["step"] <= rng[1]]
             if inside:
                 run = f" ({r['label']})" if len(g) > 1 else ""
-                parts.append(f"{group_label(g)}{run}: "
-                             + ", ".join(f"step {c['step']} ({c['step_s']:.1f} s)" for c in inside))
-    return ("torch.compile compiled inside the timed steps of " + "; ".join(parts)
-            + ": that compile time is in the row's throughput.") if parts else None
+                text = f"{group_label(g)}{run}: " + ", ".join(f"step {c['step']} ({c['step_s']:.1f} s)" for c in inside)
+                (left if "torch.compile compiled" in str(r["summary"]["throughput_method"]) else held).append(text)
+    out = []
+    if held:
+        out.append("torch.compile compiled inside the timed steps of " + "; ".join(held)
+                   + ": that compile time is in the row's throughput.")
+    if left:
+        out.append("torch.compile compiled again after the untimed first steps of " + "; ".join(left)
+                   + ": those steps are left out of the row's steady figures, their time is given here.")
+    return " ".join(out) or None
 
 
 def _method_text(sums: Sequence[dict]) -> str:
