@@ -524,6 +524,23 @@ def _late_compiles(run: dict, warmup: int) -> list[dict]:
     return [c for c in run.get("compile_steps") or [] if c["step"] > warmup]
 
 
+def _compile_at(c: dict) -> str:
+    """'step N (S s on the host)' for a compile step. Runs before its `host_s` was recorded read
+    their CUDA results a step late and timed the compile in the step before it: no seconds."""
+    return f"step {c['step']}" + (f" ({c['host_s']:.0f} s on the host)" if "host_s" in c else
+                                  " (its seconds counted in the step before: not recorded apart)")
+
+
+def _compiles_note(late: list[str], held: bool) -> str:
+    """The note on compiles after the left-out first steps: runs that record `host_s` (from the
+    commit after 2a8137b) leave those steps out of their steady figures; older runs' figures hold them."""
+    if not late:
+        return ""
+    return (" Compiled again inside the measured steps, that time in the row: " if held else
+            " Compiled again after the left-out first steps (those steps left out of the row too): ") \
+        + "; ".join(late) + "."
+
+
 def _names(names: list[str]) -> str:
     """'a, b, c' for a few; 'a ... z (N files)' for more."""
     return ", ".join(names) if len(names) <= 4 else f"{names[0]} ... {names[-1]} ({len(names)} files)"
@@ -574,8 +591,9 @@ def render(results: Path = RESULTS) -> str:
                     {r.get("token_multiple") or 1 for r in doc["runs"] if r["side"] == "hpcbert"}) if m > 1)
                 + (" hpcbert compiled (`--compile on`; its first compile in the steps left out)." if any(
                     r.get("compile") for r in doc["runs"] if r["side"] == "hpcbert") else "")
-                + "".join(f" hpcbert at batch {r['batch']} compiled again at step {c['step']} ({c['step_s']:.0f} s), "
-                          "inside its measured steps." for r in doc["runs"] if r["side"] == "hpcbert"
+                # compare_hf counts hpcbert's compile steps after the warm-up, as the Trainer's
+                + "".join(_compiles_note([f"hpcbert at batch {r['batch']}, {_compile_at(c)}"], True)
+                          for r in doc["runs"] if r["side"] == "hpcbert"
                           for c in _late_compiles(r, s["warmup_steps_excluded"])),
                 "", f"- {_where(doc)}", ""]
     for task, name in MFU_FILES.items():
@@ -606,15 +624,16 @@ def render(results: Path = RESULTS) -> str:
                     "output projection and feed-forward at [CLS] only (and, in runs of commits after 6d701e8, the pooler "
                     "and the classifier at [CLS]: 0.01% of them)")
         # a compile inside the measured steps (runs from 9e146b1 on record them): its time is in the row
-        late = [f"{_run_commit(doc, r)} batch {r['batch']} --compile {r['compile']}: "
-                + ", ".join(f"step {c['step']} ({c['step_s']:.0f} s)" for c in inside)
+        late = [(f"{_run_commit(doc, r)} batch {r['batch']} --compile {r['compile']}: "
+                 + ", ".join(_compile_at(c) for c in inside), any("host_s" not in c for c in inside))
                 for r in doc["runs"] if (inside := _late_compiles(r, r.get("warmup_steps_excluded") or 0))]
         out += [f"## MFU: {s['model']}, {what[0]}, {s['precision']}", "",
                 markdown_grid(["commit", "batch", "--compile", "--norm-precision", "--token-multiple", "seq/s", "real tokens/s",
                                "real tokens/seq", "model TFLOP/s", "MFU"], rows).rstrip("\n"),
                 "", f"{what[1]}. {s['steps']} steps, the first {s['warmup_steps_excluded']} left out; peak: "
                 f"{doc['runs'][0]['peak_flops_source'] if doc['runs'] else '—'}."
-                + (f" Compiled again inside the measured steps, that time in the row: {'; '.join(late)}." if late else ""),
+                + _compiles_note([t for t, held in late if held], True)
+                + _compiles_note([t for t, held in late if not held], False),
                 "",
                 *_where_lines(doc), ""]
     for name in PROFILE_FILES.values():
