@@ -239,6 +239,39 @@ def test_packing_covers_every_token_once_per_epoch(data_dir, tok_dir, world, per
         pos += n
 
 
+@pytest.mark.parametrize("nsp", [False, True])
+def test_assembled_rows_by_hand_from_the_files(data_dir, tok_dir, nsp):
+    """Every training sequence at once (many shards), each row against one built in this test from
+    the files: [CLS] tokens [SEP], a [SEP] before each document start inside a packed row; with
+    next-sentence pairs [CLS] A [SEP] B [SEP], B's part type 1; PAD after; content = corpus tokens."""
+    tokens, doc_starts, _ = stream_from_files(data_dir, "train")
+    _, train, _ = objective(data_dir, tok_dir, nsp=nsp)
+    idx = np.random.default_rng(0).permutation(len(train))
+    ids, types, content, lengths, _ = train.assemble(idx, 40)
+    assert ids.shape == (len(train), 40)
+    for r, i in enumerate(idx):
+        if nsp:
+            a0, a1, b0, b1 = (int(x[i]) for x in train.ranges[:4])
+            row = [101, *tokens[a0:a1], 102, *tokens[b0:b1], 102]
+            typ = [0] * (a1 - a0 + 2) + [1] * (b1 - b0 + 1)
+            text = [False, *[True] * (a1 - a0), False, *[True] * (b1 - b0), False]
+        else:
+            g0, g1 = int(train.ranges[0][i]), int(train.ranges[1][i])
+            row, text = [101], [False]
+            for g in range(g0, g1):
+                if g != g0 and g in set(doc_starts.tolist()):
+                    row.append(102)
+                    text.append(False)
+                row.append(int(tokens[g]))
+                text.append(True)
+            row, text = row + [102], text + [False]
+            typ = [0] * len(row)
+        n = len(row)
+        assert lengths[r] == n and ids[r, :n].tolist() == row and (ids[r, n:] == 0).all()
+        assert types[r, :n].tolist() == typ and not types[r, n:].any()
+        assert content[r, :n].tolist() == text and not content[r, n:].any()
+
+
 def test_nsp_pairs(data_dir, tok_dir):
     obj, train, dev = objective(data_dir, tok_dir, nsp=True)
     tokens, doc_starts, line_starts = stream_from_files(data_dir, "train")

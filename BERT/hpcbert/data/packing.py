@@ -61,6 +61,15 @@ class Stream:
             g0, k = end, k + 1
         return np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, np.int64)
 
+    def gather(self, g: np.ndarray) -> np.ndarray:
+        """The tokens at global positions `g` (int64), from whichever shard holds each."""
+        k = np.searchsorted(self.shard_start, g, side="right") - 1
+        out = np.empty(len(g), dtype=np.int64)
+        for shard in np.unique(k):
+            at = k == shard
+            out[at] = self.shards[shard].tokens[g[at] - self.shard_start[shard]]
+        return out
+
     def specials_in(self, g0: np.ndarray, g1: np.ndarray) -> np.ndarray:
         """(n,) special tokens written in the text within [g0, g1) of each range."""
         return np.searchsorted(self.special_at, g1) - np.searchsorted(self.special_at, g0)
@@ -69,6 +78,13 @@ class Stream:
         """(n,) document starts d with g0 < d < g1: where a packed sequence crosses into the next."""
         return np.maximum(0, np.searchsorted(self.doc_starts, g1, "left")
                           - np.searchsorted(self.doc_starts, g0, "right"))
+
+
+def _spans(n: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """For counts n (k,): the row r and the offset 0..n[r]-1 of every element of the k spans, flat."""
+    n = np.asarray(n, dtype=np.int64)
+    row = np.repeat(np.arange(len(n)), n)
+    return row, np.arange(len(row)) - np.repeat(np.cumsum(n) - n, n)
 
 
 def pack_lines(stream: Stream, cap: int) -> tuple[np.ndarray, np.ndarray]:
@@ -182,23 +198,34 @@ class Sequences:
         ids = np.full((B, T), self.pad_id, dtype=np.int64)
         types = np.zeros((B, T), dtype=np.int64)
         content = np.zeros((B, T), dtype=bool)
-        for row, i in enumerate(idx):
-            if self.kind == "packed":
-                g0, g1 = int(self.ranges[0][i]), int(self.ranges[1][i])
-                toks = self.stream.tokens(g0, g1)
-                cuts = self.stream.doc_starts[np.searchsorted(self.stream.doc_starts, g0, "right"):
-                                              np.searchsorted(self.stream.doc_starts, g1, "left")] - g0
-                body = np.insert(toks, cuts, self.sep_id)  # a [SEP] where the next document begins
-                is_text = np.insert(np.ones(len(toks), bool), cuts, False)
-                n = len(body)
-                ids[row, 0], ids[row, 1:n + 1], ids[row, n + 1] = self.cls_id, body, self.sep_id
-                content[row, 1:n + 1] = is_text
-            else:
-                a0, a1, b0, b1 = (int(r[i]) for r in self.ranges[:4])
-                na, nb = a1 - a0, b1 - b0
-                ids[row, 0], ids[row, 1:na + 1], ids[row, na + 1] = self.cls_id, self.stream.tokens(a0, a1), self.sep_id
-                ids[row, na + 2:na + nb + 2], ids[row, na + nb + 2] = self.stream.tokens(b0, b1), self.sep_id
-                types[row, na + 2:na + nb + 3] = 1
-                content[row, 1:na + 1] = content[row, na + 2:na + nb + 2] = True
+        ids[:, 0] = self.cls_id
+        rows = np.arange(B)
+        if self.kind == "packed":
+            # [CLS] g0..g1 [SEP], with a [SEP] before each document start inside: a token moves one
+            # column right per document start at or before it, the k-th [SEP] sits k columns right
+            g0, g1 = self.ranges[0][idx], self.ranges[1][idx]
+            starts = self.stream.doc_starts
+            first = np.searchsorted(starts, g0, "right")  # the first document start after g0
+            seps = np.maximum(0, np.searchsorted(starts, g1, "left") - first)
+            row, off = _spans(g1 - g0)
+            g = g0[row] + off
+            col = 1 + off + np.searchsorted(starts, g, "right") - first[row]
+            ids[row, col] = self.stream.gather(g)
+            content[row, col] = True
+            srow, k = _spans(seps)
+            ids[srow, 1 + starts[first[srow] + k] - g0[srow] + k] = self.sep_id
+            ids[rows, (g1 - g0) + seps + 1] = self.sep_id
+        else:
+            # [CLS] A [SEP] B [SEP], B's type 1 (its [SEP] included)
+            a0, a1, b0, b1 = (r[idx] for r in self.ranges[:4])
+            na, nb = a1 - a0, b1 - b0
+            for start, n, col0 in ((a0, na, np.ones_like(na)), (b0, nb, na + 2)):
+                row, off = _spans(n)
+                cols = col0[row] + off
+                ids[row, cols] = self.stream.gather(start[row] + off)
+                content[row, cols] = True
+            ids[rows, na + 1] = ids[rows, na + nb + 2] = self.sep_id
+            row, off = _spans(nb + 1)
+            types[row, na[row] + 2 + off] = 1
         nsp = self.ranges[4][idx].copy() if self.kind == "nsp" else None
         return ids, types, content, lengths, nsp
