@@ -54,6 +54,8 @@ def make_run(parent: str | Path, name: str, *, config: dict[str, Any] | None = N
         "hidden_size": 384, "max_seq_length": cfg.max_seq_length,
         "precision": "bf16" if cfg.precision == "auto" else cfg.precision, "compile": cfg.compile == "on",
         "compile_steps": [{"step": 1, "graphs": 1, "step_s": 30.0}] if cfg.compile == "on" else None,
+        "compile_cache": {"dir": "/tmp/torchinductor", "graphs_from_cache": 0, "graphs_compiled": 2,
+                          "autograd_from_cache": 0, "autograd_compiled": 1} if cfg.compile == "on" else None,
         "grad_ckpt": cfg.grad_ckpt, "ckpt_layers": _ckpt_layers(cfg.grad_ckpt, 6),
         "optimizer": cfg.optimizer, "lr": cfg.lr, "lr_scaling": cfg.lr_scaling, "seed": cfg.seed,
         "world_size": world_size, "nodes": nodes, "gpus_per_node": gpus_per_node,

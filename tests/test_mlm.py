@@ -397,7 +397,7 @@ def test_eval_every_target_and_summary(tmp_path, data_dir, tok_dir):
     acc = [m["eval"]["eval"]["mlm_accuracy"] for m in evals]
     summary = read_summary(tmp_path / "run")
     assert summary["eval"]["eval"]["mlm_accuracy"] == acc[-1] and summary["stopped_by"] == "max_steps"
-    assert summary["time_to_target_s"] is None and summary["schema_version"] == 7
+    assert summary["time_to_target_s"] is None and summary["schema_version"] == 8
     assert hpcbert_main(["report", str(tmp_path / "run"), "--format", "html", "--out", str(tmp_path / "r.html")]) == 0
     assert 'alt="Evaluation during training" src="data:image/png' in (tmp_path / "r.html").read_text()
     # the LR of every step: peak x the hand formula (a line logs the LR of the next step, number s)

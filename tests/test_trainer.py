@@ -167,6 +167,19 @@ def test_agreement_keeps_lag_results_pending_until_flushed():
     assert a.ready(flush=True) == [("s2", [4.0, 5.0, 6.0])]
 
 
+def test_steady_figures_leave_compile_steps_out_unless_every_timed_step_compiled():
+    m = meters.StepMeter()
+    for sec, compiled in [(9.0, True), (1.0, False), (30.0, True), (2.0, False), (3.0, False)]:
+        m.add(sec, 10, 100, 120, 1e9, 0.0, compiled=compiled)
+    s = m.steady(1)  # steps 2..5 less step 3: 1 + 2 + 3 s for 30 sequences
+    assert m.timed(1) == [1, 3, 4] and s["steady_sequences_per_sec"] == pytest.approx(30 / 6.0)
+    assert s["steady_step_time_s"] == 2.0 and s["tokens_per_sec"] == pytest.approx(300 / 6.0)
+    only = meters.StepMeter()
+    for sec in (5.0, 4.0):
+        only.add(sec, 10, 100, 120, 1e9, 0.0, compiled=True)
+    assert only.timed(1) == [1] and only.steady(1)["steady_sequences_per_sec"] == pytest.approx(10 / 4.0)
+
+
 @pytest.mark.parametrize("lag", [0, 1])
 def test_a_compile_is_timed_in_the_step_that_compiled_also_when_read_a_step_late(monkeypatch, tmp_path, lag):
     """A compile is host time inside one step. Read one step late (the GPU's lag), the interval that
@@ -449,7 +462,8 @@ def test_plain_torchrun_without_out_gives_every_rank_one_directory(tmp_path):
 def test_compile_trains_the_same_losses_as_eager(tmp_path):
     common = ["train", "--model", "bert-tiny", "--max-steps", 3, "--batch-size", 8, "--dropout", 0, "--precision",
               "fp32", "--log-every", 1, "--no-do-eval", "--threads", 1]
-    r = r_compiled = cli(*common, "--compile", "--out", tmp_path / "compiled", timeout=900)
+    cache = tmp_path / "compile-cache"  # new: nothing in it yet
+    r = r_compiled = cli(*common, "--compile", "--compile-cache", cache, "--out", tmp_path / "compiled", timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]
     r = cli(*common, "--out", tmp_path / "eager")
     assert r.returncode == 0, r.stderr[-3000:]
@@ -462,6 +476,16 @@ def test_compile_trains_the_same_losses_as_eager(tmp_path):
     assert steps[0]["step"] == 1 and steps[0]["graphs"] >= 1 and steps[0]["step_s"] > 0
     assert "step 1: torch.compile made" in r_compiled.stderr
     assert read_summary(tmp_path / "eager")["compile_steps"] is None
+    # --compile-cache: the first run compiled everything into the new folder; the same run again
+    # takes its graphs from there (and trains the same losses)
+    first = read_summary(tmp_path / "compiled")["compile_cache"]
+    assert first["dir"] == str(cache.resolve()) and first["graphs_from_cache"] == 0 and first["graphs_compiled"] > 0
+    assert any(cache.rglob("*")) and read_summary(tmp_path / "eager")["compile_cache"] is None
+    r = cli(*common, "--compile", "--compile-cache", cache, "--out", tmp_path / "again", timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    again = read_summary(tmp_path / "again")["compile_cache"]
+    assert again["graphs_from_cache"] >= 1 and again["graphs_from_cache"] + again["graphs_compiled"] > 0
+    assert [m["loss"] for m in read_metrics(tmp_path / "again")] == pytest.approx(compiled, rel=1e-6)
 
 
 def test_the_summary_says_in_what_precision_the_layer_norms_ran(tmp_path):

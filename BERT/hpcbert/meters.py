@@ -66,8 +66,9 @@ class StepMeter:
     def timed(self, warmup: int) -> list[int]:
         """The steps (positions) the steady figures come from: those after the first `warmup`, less
         the steps in which torch.compile compiled (a recompile of tens of seconds is not the steady
-        state; the run reports it apart, in its summary's compile_steps)."""
-        return [i for i in range(warmup, len(self.times)) if not self.compiled[i]]
+        state; the run reports it apart, in its summary's compile_steps), unless that leaves none."""
+        after = range(warmup, len(self.times))
+        return [i for i in after if not self.compiled[i]] or list(after)
 
     def steady(self, warmup: int) -> dict[str, float | None]:
         keep = self.timed(warmup)

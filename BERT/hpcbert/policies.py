@@ -44,7 +44,9 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 import weakref
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -378,6 +380,32 @@ def compiled_graphs() -> int:
     from torch._dynamo.utils import counters
 
     return int(counters["stats"]["unique_graphs"])
+
+
+def use_compile_cache(folder: str | None) -> None:
+    """--compile-cache: torch.compile's graphs and kernels kept in `folder` (inductor reads
+    TORCHINDUCTOR_CACHE_DIR when it first looks for its cache, at the first compile)."""
+    if folder:
+        path = Path(folder).expanduser().resolve()
+        path.mkdir(parents=True, exist_ok=True)
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(path)
+
+
+def compile_cache_use() -> dict:
+    """What this process's compiles took from torch.compile's cache and what they compiled anew
+    (inductor's and AOT autograd's counters), and the cache's folder."""
+    from torch._dynamo.utils import counters
+
+    try:
+        from torch._inductor.runtime.cache_dir_utils import cache_dir
+        folder = cache_dir()
+    except (ImportError, OSError):  # a torch that keeps it elsewhere
+        folder = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    return {"dir": folder,
+            "graphs_from_cache": int(counters["inductor"]["fxgraph_cache_hit"]),
+            "graphs_compiled": int(counters["inductor"]["fxgraph_cache_miss"]),
+            "autograd_from_cache": int(counters["aot_autograd"]["autograd_cache_hit"]),
+            "autograd_compiled": int(counters["aot_autograd"]["autograd_cache_miss"])}
 
 
 def maybe_compile(model: nn.Module, enabled: bool) -> nn.Module:

@@ -16,14 +16,15 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-SCHEMA_VERSION = 7
+SCHEMA_VERSION = 8
 # Keys each schema version added; a summary of an older version reads with them as null (not measured).
 ADDED_IN = {2: ("tf32", "lr_horizon_steps", "lr_horizon_source", "nonfinite_grad_steps"),
             3: ("time_to_target_s", "steps_to_target", "tokens_to_target"),
             4: ("host_allocator",),
             5: ("norm_precision",),
             6: ("token_multiple",),
-            7: ("compile_steps",)}
+            7: ("compile_steps",),
+            8: ("compile_cache",)}
 
 # summary.json keys and their meaning (units in the name where there is one). A figure that cannot
 # be measured on a device is null, never zero.
@@ -42,6 +43,7 @@ SUMMARY_KEYS: dict[str, str] = {
     "norm_precision": "LayerNorms and the residual stream: low (in the bf16/fp16 of autocast) or fp32 (autocast's rule; every fp32 run); null: a run from before --norm-precision, fp32",
     "compile": "torch.compile used",
     "compile_steps": "with --compile: the steps in which torch.compile made graphs, each {step, graphs, step_s, host_s: the host's part of that step, the compile in it (absent in runs before it was recorded)}; a step after the warm-up here is left out of the steady figures, as throughput_method says (runs whose throughput_method does not say so have its compile time in them); null without --compile",
+    "compile_cache": "with --compile: torch.compile's cache folder (--compile-cache, else torch's own) and this run's use of it: graphs_from_cache and graphs_compiled (inductor's graphs), autograd_from_cache and autograd_compiled (AOT autograd's); null without --compile",
     "token_multiple": "a padded micro-batch's real-token rows rounded up to a multiple of this with filler rows no head reads (1: none; --token-multiple)",
     "host_allocator": "glibc-retain (freed host memory kept mapped for the next step: dist.tune_host_allocator) or system",
     "grad_ckpt": "gradient checkpointing policy",

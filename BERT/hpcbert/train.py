@@ -213,6 +213,8 @@ class Trainer:
                 model, device_ids=[d.local_rank] if d.device.type == "cuda" else None, bucket_cap_mb=25)
         self.compiled = policies.resolve_compile(cfg.compile, d.device)
         self.token_multiple = policies.resolve_token_multiple(cfg.token_multiple, d.device, self.precision)
+        if self.compiled:
+            policies.use_compile_cache(cfg.compile_cache)
         self.model = policies.maybe_compile(model, self.compiled)
         self.compile_steps: list[dict] = []  # the steps in which torch.compile made graphs (summary)
         # compile steps posted and not yet recorded -> their host seconds; those whose host time an
@@ -793,6 +795,7 @@ class Trainer:
             "host_allocator": d.host_allocator,
             "compile": self.compiled,
             "compile_steps": self.compile_steps if self.compiled else None,
+            "compile_cache": policies.compile_cache_use() if self.compiled else None,
             "token_multiple": self.token_multiple,
             "grad_ckpt": cfg.grad_ckpt,
             "ckpt_layers": self.ckpt_layers,
@@ -852,7 +855,7 @@ class Trainer:
 
     def _compiles_left_out(self, warmup: int) -> str:
         """', and step 16, in which torch.compile compiled' for compile steps among the timed ones."""
-        late = [str(i + 1) for i in range(warmup, len(self.meter)) if self.meter.compiled[i]]
+        late = [str(i + 1) for i in sorted(set(range(warmup, len(self.meter))) - set(self.meter.timed(warmup)))]
         return f", and step{'s' if len(late) > 1 else ''} {', '.join(late)}, in which torch.compile compiled" \
             if late else ""
 
