@@ -6,6 +6,7 @@ errors that leave no run directory, and the objective protocol."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -532,3 +533,13 @@ def test_filler_rows_train_the_same_losses_and_the_summary_says_how_many(tmp_pat
     assert all((n + f) % 32 == 0 for n, f in rows_bf16 if f)
     with pytest.raises(ValueError, match="token_multiple: 0; a positive number"):
         RunConfig(**TINY, token_multiple=0)
+
+
+def test_a_compile_cache_that_cannot_be_a_folder_is_refused_naming_it(tmp_path, monkeypatch):
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ValueError, match=r"compile_cache: .*file/cache cannot be a folder here \(Not a directory"):
+        policies.use_compile_cache(str(tmp_path / "file" / "cache"))
+    policies.use_compile_cache(str(tmp_path / "new" / "cache"))
+    assert (tmp_path / "new" / "cache").is_dir()
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str((tmp_path / "new" / "cache").resolve())

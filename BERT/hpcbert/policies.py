@@ -387,7 +387,13 @@ def use_compile_cache(folder: str | None) -> None:
     TORCHINDUCTOR_CACHE_DIR when it first looks for its cache, at the first compile)."""
     if folder:
         path = Path(folder).expanduser().resolve()
-        path.mkdir(parents=True, exist_ok=True)
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise ValueError(f"compile_cache: {folder} cannot be a folder here ({e.strerror}: {e.filename}); "
+                             f"give a folder this job can write") from None
+        if not os.access(path, os.W_OK):
+            raise ValueError(f"compile_cache: {folder} is not writable; give a folder this job can write")
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(path)
 
 
