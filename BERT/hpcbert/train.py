@@ -555,16 +555,16 @@ class Trainer:
                 self.compile_moved[later] = host_s
                 seconds -= host_s
         seconds = max(seconds, 1e-6) + self.compile_moved.pop(rec.step, 0.0)
-        host_s = self.compiling.pop(rec.step, None)
+        self.compiling.pop(rec.step, None)
         end = self.last_end = time.time()
         deadline = self.stops.budget_deadline
         self.meter.add(seconds, rec.sequences, int(tokens), int(padded), flops, end,
                        in_budget=deadline is None or end <= deadline, compiled=bool(rec.graphs))
         if rec.graphs:  # a compile (or a recompile) inside this step: left out of the steady figures
             self.compile_steps.append({"step": rec.step, "graphs": rec.graphs, "step_s": round(seconds, 3),
-                                       "host_s": round(host_s, 3)})
+                                       "host_s": round(rec.host_s, 3)})
             log(d, f"step {rec.step}: torch.compile made {rec.graphs} graph(s) in this step, which took "
-                   f"{seconds:.1f} s ({host_s:.1f} s on the host)")
+                   f"{seconds:.1f} s ({rec.host_s:.1f} s on the host)")
         loss, grad_norm = loss / d.world_size, grad_norm / d.world_size
         st.tokens += int(tokens)
         st.window_loss.append(loss)
