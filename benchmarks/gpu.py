@@ -532,8 +532,8 @@ def _compile_at(c: dict) -> str:
 
 
 def _compiles_note(late: list[str], held: bool) -> str:
-    """The note on compiles after the left-out first steps: runs that record `host_s` (from the
-    commit after 2a8137b) leave those steps out of their steady figures; older runs' figures hold them."""
+    """The note on compiles after the left-out first steps: runs that record `host_s` (86039ca on)
+    leave those steps out of their steady figures; older runs' figures hold them."""
     if not late:
         return ""
     return (" Compiled again inside the measured steps, that time in the row: " if held else
@@ -624,6 +624,7 @@ def render(results: Path = RESULTS) -> str:
                     "output projection and feed-forward at [CLS] only (and, in runs of commits after 6d701e8, the pooler "
                     "and the classifier at [CLS]: 0.01% of them)")
         # a compile inside the measured steps (runs from 9e146b1 on record them): its time is in the row
+        # of runs before 86039ca (no host_s), left out of it from then on
         late = [(f"{_run_commit(doc, r)} batch {r['batch']} --compile {r['compile']}: "
                  + ", ".join(_compile_at(c) for c in inside), any("host_s" not in c for c in inside))
                 for r in doc["runs"] if (inside := _late_compiles(r, r.get("warmup_steps_excluded") or 0))]
