@@ -50,17 +50,6 @@ class Stream:
         self.special_at = np.concatenate([np.flatnonzero(np.isin(s.tokens, special_ids)) + a
                                           for s, a in zip(shards, self.shard_start)] + [[]]).astype(np.int64)
 
-    def tokens(self, g0: int, g1: int) -> np.ndarray:
-        """Tokens g0..g1 of the stream (int64), across shards where the range crosses one."""
-        k = int(np.searchsorted(self.shard_start, g0, side="right")) - 1
-        parts = []
-        while g0 < g1:
-            a = self.shard_start[k]
-            end = min(g1, int(self.shard_start[k + 1]))
-            parts.append(self.shards[k].tokens[g0 - a:end - a])
-            g0, k = end, k + 1
-        return np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, np.int64)
-
     def gather(self, g: np.ndarray) -> np.ndarray:
         """The tokens at global positions `g` (int64), from whichever shard holds each."""
         k = np.searchsorted(self.shard_start, g, side="right") - 1
