@@ -177,6 +177,22 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def test_rank_0_that_cannot_listen_on_master_port_says_so_and_what_to_do():
+    # Another process holds MASTER_PORT on rank 0's machine: the error must name the port and the
+    # remedy, not blame a rank 0 that "never started" (rank 0 is the one reporting).
+    from hpcbert.dist import Rendezvous, StartupError, check_in
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        t0 = time.time()
+        with pytest.raises(StartupError) as e:
+            check_in(0, 2, 20, Rendezvous("127.0.0.1", port, "hpcbert/test", host_store=True))
+    assert time.time() - t0 < 10  # at once, not after the timeout
+    assert f"rank 0 hosts the rendezvous store but cannot listen on port {port}" in str(e.value)
+    assert "set MASTER_PORT to a free port" in str(e.value) and "never started" not in str(e.value)
+
+
 @slow
 @pytest.mark.parametrize("started,world,missing", [((0, 1), 3, "rank(s) 2 never arrived"),
                                                     ((1,), 2, "(missing rank: 0)")])

@@ -69,10 +69,11 @@ def test_default_port_is_the_same_in_every_process_and_spreads_over_job_ids():
                            capture_output=True, text=True, timeout=60)
         assert r.returncode == 0, r.stderr
         assert r.stdout.strip() == str(here), f"PYTHONHASHSEED={seed}"
-    # Inside the documented range, and two jobs sharing a head node rarely collide.
+    # Inside the documented range, even (a job's check-in on port + 1 is never another job's rendezvous
+    # port), and two jobs sharing a head node rarely collide.
     ports = [launch.default_port(f"job-{i}") for i in range(200)]
-    assert all(29400 <= p < 29900 for p in ports)
-    assert len(set(ports)) > 150  # 200 draws from 500 ports: ~165 distinct expected if spread evenly
+    assert all(29400 <= p <= 29898 and p % 2 == 0 for p in ports)
+    assert len(set(ports)) > 120  # 200 draws from 250 ports: 250 * (1 - (249/250)**200) = ~138 distinct if even
 
 
 def test_dry_run_prints_the_environment_and_command():
@@ -114,6 +115,24 @@ def test_a_taken_port_is_replaced_by_a_free_one():
             s.bind(("", other))
             s.listen()
     assert launch.port_or_free(port) == port  # free again once the holder closed
+
+
+def test_a_taken_check_in_port_on_the_head_is_named_with_what_to_do(tmp_path):
+    # The head cannot fall back for the check-in port (the other nodes find the head there), so it
+    # must say which port another process holds and how to choose one, not that the head is missing.
+    import socket
+    job = f"busy-{os.getpid()}"
+    check_in_port = launch.default_port(job) + 1
+    with socket.socket() as held:
+        held.bind(("", check_in_port))
+        held.listen()
+        r = subprocess.run([sys.executable, "-m", "hpcbert.launch", "--hosts", "127.0.0.1,127.0.0.2", "--node-rank", "0",
+                            "--job-id", job, "--join-timeout", "30", "--nproc-per-node", "1", "--", "--model",
+                            "bert-tiny"], env=run_env(), cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1, r.stderr
+    assert f"node 0 hosts the rendezvous store but cannot listen on port {check_in_port}" in r.stderr, r.stderr
+    assert "give --port P with ports P and P+1 free on the head node 127.0.0.1" in r.stderr
+    assert "never started" not in r.stderr and "Not started" not in r.stderr
 
 
 @pytest.mark.slow

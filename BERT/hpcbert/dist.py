@@ -162,7 +162,8 @@ def _check_in(rank: int, world: int, timeout_s: float) -> dist.Store:
 @dataclass(frozen=True)
 class Rendezvous:
     """Where and how members check in: the store at addr:port under key `prefix`, hosted by this
-    member or not; `who` (rank / node), `option` (the timeout's flag) and `store_host` word the errors."""
+    member or not; `who` (rank / node), `option` (the timeout's flag), `store_host` and `busy_hint`
+    (what to do when the port is taken on the member that hosts the store) word the errors."""
     addr: str
     port: int
     prefix: str
@@ -170,6 +171,7 @@ class Rendezvous:
     who: str = "rank"
     option: str = "--dist-timeout"
     store_host: str = "rank 0"
+    busy_hint: str = "set MASTER_PORT to a free port"
 
 
 def check_in(rank: int, world: int, timeout_s: float, rv: Rendezvous,
@@ -198,6 +200,10 @@ def check_in(rank: int, world: int, timeout_s: float, rv: Rendezvous,
                               timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False,
                               multi_tenant=True)
     except (RuntimeError, dist.DistError) as e:
+        if host_store and ("EADDRINUSE" in str(e) or "already in use" in str(e)):
+            raise StartupError(f"{who} {rank} hosts the rendezvous store but cannot listen on port {port}: another "
+                               f"process on {socket.gethostname()} holds it; {rv.busy_hint}. Underlying error: {e}",
+                               []) from None
         raise StartupError(f"{who} {rank}: could not open the rendezvous store at {where} within {timeout_s:g} s; "
                            f"{unreachable} Underlying error: {e}", [] if host_store else [0]) from None
     key = lambda r: f"{prefix}/{who}{r}"  # noqa: E731

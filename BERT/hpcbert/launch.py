@@ -15,7 +15,8 @@ Start it once per node: `srun --ntasks-per-node=1`, `mpiexec -n NNODES --ppn 1`,
 The job id is the rendezvous id (never reused across jobs) and, unless --port is given, picks the
 rendezvous port, so two jobs sharing a head node do not collide; should another job hold that
 port all the same (two ids can land on one port), the head takes a free one instead and, on
-several nodes, hands it to the others through the node check-in (at the derived port + 1).
+several nodes, hands it to the others through the node check-in (at the derived port + 1). Derived
+ports are even, so one job's check-in port (odd) is never another job's rendezvous port.
 """
 
 from __future__ import annotations
@@ -124,8 +125,9 @@ def discover(env: dict[str, str], hosts: list[str] | None = None, node_rank: int
 
 
 def default_port(job_id: str) -> int:
-    """A rendezvous port derived from the job id (29400-29899): the same on every node."""
-    return 29400 + zlib.crc32(job_id.encode()) % 500
+    """A rendezvous port derived from the job id: the same on every node, even, 29400-29898. Even so
+    that the node check-in on port + 1 never lands on another job's derived rendezvous port."""
+    return 29400 + 2 * (zlib.crc32(job_id.encode()) % 250)
 
 
 def port_or_free(port: int) -> int:
@@ -181,7 +183,8 @@ def wait_for_nodes(nodes: Nodes, port: int, timeout_s: float, rdzv_port: int) ->
     shared = {"rdzv_port": str(rdzv_port)}
     try:
         rv = Rendezvous(nodes.head, port + 1, f"hpcbert-launch/{nodes.job_id}", host_store=nodes.node_rank == 0,
-                        who="node", option="--join-timeout", store_host=f"the launcher on the head node {nodes.head}")
+                        who="node", option="--join-timeout", store_host=f"the launcher on the head node {nodes.head}",
+                        busy_hint=f"give --port P with ports P and P+1 free on the head node {nodes.head}")
         store = check_in(nodes.node_rank, nodes.nnodes, timeout_s, rv, shared)
     except StartupError as e:
         hosts = ", ".join(f"node {i} = {nodes.hosts[i]}" for i in e.missing)
