@@ -208,6 +208,12 @@ def pretraining_data(data_dir: str) -> dict:
             "tokenizer_sha256": meta["tokenizer"]["sha256"]}
 
 
+def compile_args(value: str) -> list[str]:
+    """hpcbert's options for one --compile value of mfu and profile: on, off or auto, or a
+    torch.compile mode (max-autotune-no-cudagraphs), which compiles in that mode."""
+    return ["--compile", value] if value in ("on", "off", "auto") else ["--compile", "on", "--compile-mode", value]
+
+
 def cmd_mfu(a) -> int:
     need_cuda()
     work = Path(a.work_dir)
@@ -223,7 +229,7 @@ def cmd_mfu(a) -> int:
                                                   a.token_multiple.split(",")):
             args = [*task_args(a, B, a.steps), "--model", a.model, "--max-seq-length", str(C.SEQ_LEN), "--batch-size",
                     str(B), "--precision", "bf16", "--max-steps", str(a.steps), "--warmup-steps-excluded", str(a.warmup_excluded), "--no-do-eval",
-                    "--no-save-model", "--compile", comp, "--norm-precision", norms, "--log-every", "1"]
+                    "--no-save-model", *compile_args(comp), "--norm-precision", norms, "--log-every", "1"]
             if mult != "auto":
                 args += ["--token-multiple", mult]
             if a.tokenizer:
@@ -321,7 +327,7 @@ def cmd_profile(a) -> int:
         args = ["train", *task_args(a, a.batch, total), "--model", a.model, "--max-seq-length", str(C.SEQ_LEN),
                 "--batch-size", str(a.batch), "--precision", "bf16", "--max-steps", str(total),
                 "--no-do-eval", "--no-save-model",
-                "--compile", comp, "--log-every", "1", "--threads", str(a.threads)]
+                *compile_args(comp), "--log-every", "1", "--threads", str(a.threads)]
         if a.tokenizer:
             args += ["--tokenizer", a.tokenizer]
         out = C.fresh_dir(work / "profile" / f"{a.task}-compile-{comp}")
@@ -807,7 +813,8 @@ def main(argv: list[str] | None = None) -> int:
     m.add_argument("--batches", type=batch_list, default="256")
     m.add_argument("--steps", type=int, default=40)
     m.add_argument("--warmup-excluded", type=int, default=10)
-    m.add_argument("--compile", default="off", help="comma-separated --compile values to run")
+    m.add_argument("--compile", default="off", help="comma-separated --compile values to run; a torch.compile mode "
+                   "(max-autotune-no-cudagraphs) compiles in that mode")
     m.add_argument("--norm-precision", default="low,fp32", help="comma-separated --norm-precision values to run")
     m.add_argument("--token-multiple", default="auto", help="comma-separated --token-multiple values to run "
                    "(auto: hpcbert's default, not passed)")
@@ -818,7 +825,8 @@ def main(argv: list[str] | None = None) -> int:
     f.add_argument("--batch", type=int, default=256)
     f.add_argument("--after", type=int, default=10, help="steps run before the profiled ones")
     f.add_argument("--steps", type=int, default=5, help="steps profiled")
-    f.add_argument("--compile", default="off", help="comma-separated --compile values to run")
+    f.add_argument("--compile", default="off", help="comma-separated --compile values to run; a torch.compile mode "
+                   "(max-autotune-no-cudagraphs) compiles in that mode")
     workload(f)
     g = sub.add_parser("large")
     common(g)

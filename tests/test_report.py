@@ -694,6 +694,16 @@ def test_gpu_profile_groups_operators_and_its_child_profiles_the_loop(tmp_path, 
     assert rec["groups_ms"]["matmul"] > 0 and rec["groups_ms"]["optimizer and clipping"] > 0
 
 
+def test_gpu_mfu_compile_values_are_hpcbert_options():
+    """gpu.py mfu/profile --compile: on, off and auto as they are; a torch.compile mode compiles in it."""
+    from hpcbert.config import RunConfig
+    gpu = _benchmark_script("gpu")
+    assert gpu.compile_args("off") == ["--compile", "off"] and gpu.compile_args("on") == ["--compile", "on"]
+    args = gpu.compile_args("max-autotune-no-cudagraphs")
+    assert args == ["--compile", "on", "--compile-mode", "max-autotune-no-cudagraphs"]
+    assert RunConfig(compile=args[1], compile_mode=args[3]).compile_mode == "max-autotune-no-cudagraphs"
+
+
 def test_gpu_mfu_on_pretraining_data_trains_mlm_and_renders_its_own_table(tmp_path, monkeypatch):
     """gpu.py mfu and profile --task mlm, run on the CPU: `hpcbert train --task mlm` on a prepared
     folder, records in mfu-mlm.json and profile-mlm.json (not the synthetic task's files), the

@@ -489,6 +489,46 @@ def test_compile_trains_the_same_losses_as_eager(tmp_path):
     assert [m["loss"] for m in read_metrics(tmp_path / "again")] == pytest.approx(compiled, rel=1e-6)
 
 
+@pytest.mark.slow
+def test_compile_mode_max_autotune_trains_the_same_losses_as_eager(tmp_path):
+    common = ["train", "--model", "bert-tiny", "--max-steps", 3, "--batch-size", 8, "--dropout", 0, "--precision",
+              "fp32", "--log-every", 1, "--no-do-eval", "--threads", 1, "--no-save-model"]
+    r = cli(*common, "--compile", "--compile-mode", "max-autotune-no-cudagraphs", "--out", tmp_path / "tuned",
+            timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert cli(*common, "--out", tmp_path / "eager").returncode == 0
+    assert json.loads((tmp_path / "tuned" / "config.json").read_text())["compile_mode"] == "max-autotune-no-cudagraphs"
+    tuned = [m["loss"] for m in read_metrics(tmp_path / "tuned")]
+    assert len(tuned) == 3 and tuned == pytest.approx([m["loss"] for m in read_metrics(tmp_path / "eager")], rel=1e-5)
+    # the mode without a compile: said, not silently dropped
+    r = cli(*common[:4], 1, *common[5:], "--compile", "off", "--compile-mode", "max-autotune-no-cudagraphs",
+            "--out", tmp_path / "off")
+    assert r.returncode == 0 and "--compile-mode max-autotune-no-cudagraphs: not used, this run does not compile" in r.stderr
+
+
+def test_compile_mode_reaches_torch_compile_as_its_options_and_cuda_graph_modes_are_refused(monkeypatch):
+    import torch._inductor
+    seen = {}
+    monkeypatch.setattr(torch, "compile", lambda model, **kw: seen.update(kw) or model)
+    lin = torch.nn.Linear(2, 2)
+    policies.maybe_compile(lin, True, "max-autotune-no-cudagraphs")
+    # what the mode stands for, as torch itself lists it (torch.compile takes a mode or options, not both)
+    want = torch._inductor.list_mode_options("max-autotune-no-cudagraphs", dynamic=True)
+    assert want.get("max_autotune") is True and "mode" not in seen and seen["dynamic"] is True
+    assert {k: seen["options"][k] for k in want} == want
+    assert not seen["options"].get("triton.cudagraphs")
+    assert {k: seen["options"][k] for k in policies.inductor_options()} == policies.inductor_options()
+    seen.clear()
+    policies.maybe_compile(lin, True)
+    assert seen["options"] == (policies.inductor_options() or None)
+    with pytest.raises(ValueError, match=r"compile_mode: 'reduce-overhead' captures CUDA graphs.*choose one of "
+                                         r"default, max-autotune-no-cudagraphs"):
+        RunConfig(compile_mode="reduce-overhead")
+    with pytest.raises(ValueError, match="compile_mode: 'fast' is not accepted; choose one of default, "
+                                         "max-autotune-no-cudagraphs"):
+        RunConfig(compile_mode="fast")
+
+
 def test_the_summary_says_in_what_precision_the_layer_norms_ran(tmp_path):
     """--norm-precision is recorded as run: low or fp32 under bf16, fp32 in an fp32 run whatever was asked."""
     def ran(name, **kw):

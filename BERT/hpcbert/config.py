@@ -81,6 +81,12 @@ def parse_batch_size(value: int | str) -> int | str:
 
 
 COMPILE_MODES = ("auto", "on", "off")
+# torch.compile's modes offered by --compile-mode. Those that capture CUDA graphs (reduce-overhead,
+# max-autotune) are not: batches change shape from step to step (dynamic, unpadded), so a graph
+# would be recorded per shape, and the loop reads a step's loss after the next step has started,
+# when a graph's replay has overwritten its outputs.
+TORCH_COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")
+_CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
 
 
 def parse_compile(value: str | bool) -> str:
@@ -193,6 +199,8 @@ class RunConfig:
     """Gradient checkpointing policy: none, alternate (every second layer reruns its attention in backward, the others keep what selective keeps), all, every:K, selective (every layer keeps what none keeps but its GELU outputs and the LayerNorm outputs a matmul reads, which backward recomputes: no matmul, attention or dropout draw runs again), offload (CUDA: saved activations wait in pinned host memory), or auto (hpcbert plan's fastest policy that fits this device's free memory)."""
     compile: str = "auto"
     """torch.compile the model: on, off, or auto (on where it was measured faster and exact: see policies.COMPILE_AUTO). --compile alone is on; config.json files of older runs with true/false read as on/off."""
+    compile_mode: str = "default"
+    """Under torch.compile, its mode: default, or max-autotune-no-cudagraphs (inductor times several kernels for each matmul and fused operation and keeps the fastest: minutes more to compile, for a faster step on some GPUs). The CUDA-graph modes (reduce-overhead, max-autotune) are not offered: batches change shape from step to step."""
     compile_cache: str | None = None
     """Under torch.compile: the folder where it keeps what it compiled (TORCHINDUCTOR_CACHE_DIR: graphs, kernels), so that a later run of the same model and shapes compiles from it in a fraction of the time (bert-tiny's first step on the 2-core CPU machine: 16.6 s cold, 3.4 s from the cache); on a shared file system, also a job on another node. Default: torch's own, a folder under the node's /tmp (TORCHINDUCTOR_CACHE_DIR where it is set). The summary's compile_cache says what came from it."""
     token_multiple: int | None = None
@@ -300,6 +308,11 @@ class RunConfig:
         self.per_rank_batch = format_per_rank_batch(parse_per_rank_batch(self.per_rank_batch))
         self.batch_size = parse_batch_size(self.batch_size)
         self.compile = parse_compile(self.compile)
+        if self.compile_mode in _CUDA_GRAPH_MODES:
+            raise ValueError(f"compile_mode: {self.compile_mode!r} captures CUDA graphs, which hpcbert does not use "
+                             f"(batches change shape from step to step, and a step's loss is read after the next "
+                             f"step has started); choose one of {', '.join(TORCH_COMPILE_MODES)}")
+        _choice("compile_mode", self.compile_mode, TORCH_COMPILE_MODES)
         if self.dist_timeout <= 0:
             raise ValueError(f"dist_timeout: must be > 0 seconds, got {self.dist_timeout}")
         for name in ("max_seq_length", "grad_accum", "eval_batch_size", "log_every",

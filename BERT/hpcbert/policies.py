@@ -414,8 +414,17 @@ def compile_cache_use() -> dict:
             "autograd_compiled": int(counters["aot_autograd"]["autograd_cache_miss"])}
 
 
-def maybe_compile(model: nn.Module, enabled: bool) -> nn.Module:
+def compile_options(mode: str = "default") -> dict:
+    """Inductor's options for torch.compile `mode` (config.TORCH_COMPILE_MODES), with INDUCTOR_OPTIONS:
+    torch.compile takes a mode or options, not both, so the mode comes as the options it stands for."""
+    import torch._inductor
+
+    return {**(torch._inductor.list_mode_options(mode, dynamic=True) if mode != "default" else {}),
+            **inductor_options()}
+
+
+def maybe_compile(model: nn.Module, enabled: bool, mode: str = "default") -> nn.Module:
     # dynamic=True: batches are padded to their longest sequence, so T varies from step to step
     # (and the number of real tokens with it). On CPU attention is a graph break (model.attention).
     # The training loop gives every batch an index (Batch.to's always_index), one layout.
-    return torch.compile(model, dynamic=True, options=inductor_options() or None) if enabled else model
+    return torch.compile(model, dynamic=True, options=compile_options(mode) or None) if enabled else model

@@ -215,9 +215,12 @@ class Trainer:
         self.token_multiple = policies.resolve_token_multiple(cfg.token_multiple, d.device, self.precision)
         if self.compiled:
             policies.use_compile_cache(cfg.compile_cache)
-        elif cfg.compile_cache:
-            log(d, f"--compile-cache {cfg.compile_cache}: not used, this run does not compile (--compile {cfg.compile})")
-        self.model = policies.maybe_compile(model, self.compiled)
+        else:
+            for flag, value in (("--compile-cache", cfg.compile_cache),
+                                ("--compile-mode", cfg.compile_mode if cfg.compile_mode != "default" else None)):
+                if value:
+                    log(d, f"{flag} {value}: not used, this run does not compile (--compile {cfg.compile})")
+        self.model = policies.maybe_compile(model, self.compiled, cfg.compile_mode)
         self.compile_steps: list[dict] = []  # the steps in which torch.compile made graphs (summary)
         # compile steps posted and not yet recorded -> their host seconds; those whose host time an
         # earlier step's interval held, moved to them (`_record`)
