@@ -197,7 +197,7 @@ def test_a_compile_is_timed_in_the_step_that_compiled_also_when_read_a_step_late
         return real_step(self, gb, epoch)
 
     monkeypatch.setattr(policies, "resolve_compile", lambda mode, device: True)
-    monkeypatch.setattr(policies, "maybe_compile", lambda model, enabled: model)
+    monkeypatch.setattr(policies, "maybe_compile", lambda model, enabled, mode="default": model)
     monkeypatch.setattr(policies, "compiled_graphs", lambda: graphs[0])
     monkeypatch.setattr(Trainer, "step", step)
     monkeypatch.setattr(dist.Agreement, "__init__", lambda self, d, lag_=None: real_init(self, d, lag=lag))
