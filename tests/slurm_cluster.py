@@ -60,7 +60,7 @@ def slurm_conf(cluster: str, ctld_host: str, b: Path, ctld_port: int, d_port: in
     """slurm.conf for a private test cluster under `b` (munge socket, state, spool, logs, PID files),
     without cgroups or accounting (NOTES §2.2), KillWait shortened; `nodes` = NodeName/Partition lines.
     Job ids start at a random number: a job's rendezvous port derives from its id (launch.default_port),
-    so two test clusters on one machine (two checkouts' suites) would otherwise both give job 1 port 29483."""
+    so two test clusters on one machine (two checkouts' suites) would otherwise both give job 1 port 29566."""
     m = b / "munge"
     return f"""\
 ClusterName={cluster}
