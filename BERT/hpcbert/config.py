@@ -387,7 +387,7 @@ RESUMABLE_CHANGES = frozenset({"out", "time_budget", "checkpoint_every", "checkp
                                "threads", "dist_timeout", "log_every", "do_eval", "eval_batch_size", "cache_dir",
                                "data_dir", "tokenizer", "train_file", "dev_file", "test_file", "eval_data",
                                "eval_every", "target_mlm_accuracy", "n_best_size", "max_answer_length",
-                               "null_score_diff_threshold", "save_model", "init_from"})
+                               "null_score_diff_threshold", "save_model", "init_from", "compile_cache"})
 
 
 def field_help() -> dict[str, str]:
