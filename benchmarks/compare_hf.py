@@ -189,6 +189,11 @@ def child_env(threads: int) -> dict:
     env = dict(os.environ)
     env["PYTHONPATH"] = HPCBERT_SRC["path"] + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     env["OMP_NUM_THREADS"] = str(threads)  # the same on both sides; each also sets torch threads itself
+    try:  # CUDA's allocator as hpcbert train runs it, the same on both sides
+        from hpcbert import cuda_allocator_default
+    except ImportError:  # an hpcbert commit (--hpcbert-rev) from before it
+        return env
+    cuda_allocator_default(env)
     return env
 
 

@@ -395,7 +395,7 @@ def cmd_hostcost(a) -> int:
 
 def cmd_large(a) -> int:
     torch = need_cuda()
-    from hpcbert import objectives, plan, policies
+    from hpcbert import cuda_allocator_settings, objectives, plan, policies
     from hpcbert.batching import largest_that_fits
     from hpcbert.config import RunConfig
     from hpcbert.optim import make_optimizer
@@ -459,12 +459,25 @@ def cmd_large(a) -> int:
     doc = C.header("gpu-large", a.threads)
     doc["settings"] = {"model": a.model, "max_seq_length": a.length, "precision": "bf16", "memory_cap_bytes": cap,
                        "gpu_total_bytes": total, "timed_steps": a.steps, "probe_steps": 2,
-                       "host_memory_bytes": a.host_memory}
+                       "host_memory_bytes": a.host_memory,
+                       "allocator": (cuda_allocator_settings() or "PyTorch's default") if cuda else None}
     doc["policies"] = []
-    path = Path(a.results_dir) / "large.json"
+    path = Path(a.results_dir) / f"{a.name}.json"
     for policy in a.policies:
         set_cap(1.0)
-        predicted = plan.make_plan(cfg, cap, dev, (policy,), host_bytes=a.host_memory).policies[0]
+        made = plan.make_plan(cfg, cap, dev, (policy,), host_bytes=a.host_memory)
+        predicted = made.policies[0]
+        # the plan's workspace against the count alone (on CUDA it takes at least plan.workspace_rule's):
+        # the largest batch the count alone would plan, beside the probe, says which one the GPU follows
+        try:
+            counted = plan.measure_workspace(cfg, policy, dev, "bf16")
+        except Exception as e:  # noqa: BLE001 - recorded: the count is what is under test here
+            counted, count_error = None, f"{type(e).__name__}: {str(e)[:200]}"
+        else:
+            count_error = None
+        free = (cap * (1 - plan.FRAGMENTATION) if cuda else cap) - made.state_total
+        by_count = (max(0, int(free // (predicted.activation_bytes_per_sequence + counted)))
+                    if counted is not None and predicted.activation_bytes_per_sequence is not None else None)
         model = copy.deepcopy(base).to(dev)
         policies.apply_grad_ckpt(model, policy)
         set_cap(cap / total)
@@ -477,6 +490,8 @@ def cmd_large(a) -> int:
         probe_s = time.perf_counter() - t0
         times, timed_batch = [], probed
         while timed_batch and not times:  # at the probed batch, else 10% smaller (fragmentation after the probe)
+            if cuda:  # the peaks of these steps alone: what the batch timed takes, allocated and held
+                torch.cuda.reset_peak_memory_stats(dev)
             try:
                 times = run_steps(model, timed_batch, 1 + a.steps)[1:]  # the first step is not timed
             except torch.OutOfMemoryError:
@@ -484,13 +499,18 @@ def cmd_large(a) -> int:
                 timed_batch = int(0.9 * timed_batch)
         rec = {"policy": policy, "predicted_largest_batch": predicted.largest_batch,
                "predicted_activation_bytes_per_sequence": predicted.activation_bytes_per_sequence,
+               "predicted_workspace_bytes_per_sequence": predicted.workspace_bytes_per_sequence,
+               "counted_workspace_bytes_per_sequence": counted, "count_error": count_error,
+               "largest_batch_by_count": by_count, "plan_state_bytes": made.state_total,
                "predicted_note": predicted.note, "probed_largest_batch": probed, "probe_limit": limit,
                "probe_s": probe_s, "step_times_s": times,
                "timed_batch": timed_batch,
                "sequences_per_sec": timed_batch / statistics.median(times) if times else None,
-               "peak_allocated_bytes": torch.cuda.max_memory_allocated(dev) if cuda else None}
+               "peak_allocated_bytes": torch.cuda.max_memory_allocated(dev) if cuda else None,
+               "peak_reserved_bytes": torch.cuda.max_memory_reserved(dev) if cuda else None}
         doc["policies"].append(rec)
-        say(f"{a.model} {a.length} {policy}: predicted {predicted.largest_batch}, probed {probed} "
+        say(f"{a.model} {a.length} {policy}: predicted {predicted.largest_batch} (by the count alone {by_count}), "
+            f"probed {probed} "
             f"({probe_s:.0f} s), {rec['sequences_per_sec'] or 0:.1f} seq/s at batch {timed_batch}")
         del model
         gc.collect()
@@ -556,11 +576,79 @@ def _workload(settings: dict) -> str:
     return "masked-LM pre-training" if settings.get("task") == "mlm" else "synthetic task"
 
 
+def _large_section(doc: dict, path: Path) -> list[str]:
+    """The README's section for one `gpu.py large` results file."""
+    from hpcbert.report import markdown_grid
+    out: list[str] = []
+    s = doc["settings"]
+    rows = [[r["policy"], str(r["predicted_largest_batch"]) + (f" ({r['predicted_note']})" if r.get("predicted_note") else ""),
+             str(r["probed_largest_batch"]) + (" (probe limit)" if r["probed_largest_batch"] == r.get("probe_limit") else ""),
+             (f"{r['probed_largest_batch'] / r['predicted_largest_batch']:.2f}" if r["predicted_largest_batch"] else "—"),
+             f"{r['sequences_per_sec']:.1f} ({r.get('timed_batch', r['probed_largest_batch'])})"
+             if r["sequences_per_sec"] else "—",
+             f"{r['predicted_activation_bytes_per_sequence'] / 2**20:.0f}"
+             if r["predicted_activation_bytes_per_sequence"] else "—"] for r in doc["policies"]]
+    alloc = f", CUDA allocator {s['allocator']}" if s.get("allocator") else ""
+    out += [f"## {s['model']} at length {s['max_seq_length']}, {s['precision']}, under a "
+            f"{s['memory_cap_bytes'] / 2**30:.0f} GiB cap{alloc}: largest batch and sequences/s per policy", "",
+            markdown_grid(["policy", "planned largest batch", "probed largest batch", "probed / planned",
+                           "seq/s (batch timed)", "planned activation MiB/seq"], rows).rstrip("\n"), "",
+            "Probed: the largest batch for which "
+            + ("one training step (forward, backward, AdamW step) fits, with the optimizer's state allocated "
+               "only at its end (the first probe's method: the timing below then ran out of memory at the "
+               "probed batch, as training's second step does, and the batch timed is what repeated steps fit "
+               "within 10%)" if s.get("probe_steps", 1) == 1 else
+               "two training steps in a row (forward, backward, AdamW step; the second beside the optimizer's "
+               "state) fit")
+            + " under `torch.cuda.set_per_process_memory_fraction`, by doubling and bisection; planned: `hpcbert plan` "
+            f"for the same cap. seq/s: median of {s['timed_steps']} whole steps at the probed batch (10% smaller where it ran out of memory after "
+            "the probe), full-length "
+            "sequences."]
+    counted = [r for r in doc["policies"] if "largest_batch_by_count" in r]
+    if counted:
+        mib = 2**20
+
+        def per_seq(r: dict, key: str) -> str:  # what the batch timed took beyond the plan's state, per sequence
+            return (f"{(r[key] - r['plan_state_bytes']) / r['timed_batch'] / mib:.1f}"
+                    if r.get(key) and r.get("timed_batch") else "—")
+
+        rows = [[r["policy"],
+                 f"{r['predicted_activation_bytes_per_sequence'] / mib:.1f}"
+                 if r["predicted_activation_bytes_per_sequence"] is not None else "—",
+                 f"{r['predicted_workspace_bytes_per_sequence'] / mib:.1f}"
+                 if r["predicted_workspace_bytes_per_sequence"] is not None else "—",
+                 f"{r['counted_workspace_bytes_per_sequence'] / mib:.1f}"
+                 if r["counted_workspace_bytes_per_sequence"] is not None else f"— ({r.get('count_error')})",
+                 str(r["predicted_largest_batch"]),
+                 "—" if r["largest_batch_by_count"] is None else str(r["largest_batch_by_count"]),
+                 str(r["probed_largest_batch"]), per_seq(r, "peak_allocated_bytes"), per_seq(r, "peak_reserved_bytes")]
+                for r in counted]
+        out += ["", "The plan's workspace against the GPU's: planned, the plan's per-sequence workspace (on CUDA "
+                "its count, but at least `plan.workspace_rule`'s); counted, the count alone (FakeTensorMode), and "
+                "the largest batch it alone would plan; peak allocated and reserved, of the steps timed, less the "
+                "plan's state, over the batch timed (MiB per sequence; compare activation + workspace).", "",
+                markdown_grid(["policy", "activation MiB/seq", "planned workspace", "counted workspace",
+                               "planned batch", "batch by count", "probed batch", "peak allocated MiB/seq",
+                               "peak reserved MiB/seq"], rows).rstrip("\n")]
+    hosts = {r["policy"]: (r.get("source") or s).get("host_memory_bytes") for r in doc["policies"]}
+    if hosts.get("offload"):
+        out += ["", f"offload: planned for {hosts['offload'] / 2**30:.0f} GiB of host memory (`--host-memory`; "
+                "half of it for the activations it pins there), its probe stopping a fifth past the plan: it "
+                "keeps little on the device, so its bound is the host's memory."]
+    missing = [p for p in POLICIES if p not in {r["policy"] for r in doc["policies"]}]
+    if missing:
+        out += ["", f"No record in `{path.name}` for: {', '.join(missing)}."]
+    own = [r for r in doc["policies"] if r.get("source")]  # a policy measured by a command of its own
+    out += ["", f"- {_where(doc)}" + (f" ({', '.join(r['policy'] for r in doc['policies'] if not r.get('source'))})"
+                                      if own else "")]
+    out += [f"- {_where(r['source'])} ({r['policy']})" for r in own] + [""]
+    return out
+
+
 def render(results: Path = RESULTS) -> str:
     from hpcbert.report import markdown_grid
     out = ["# hpcbert on a GPU", "", "Generated by `python benchmarks/gpu.py render` from the JSON files here; every "
            "figure comes from the command listed under its table.", ""]
-    large = results / "large.json"
     # throughput.json, and throughput-NAME.json: the runs of another call or another GPU
     for tp in sorted(results.glob("throughput*.json"), key=lambda f: (f.name != "throughput.json", f.name)):
         doc = C.read_json(tp)
@@ -693,43 +781,9 @@ def render(results: Path = RESULTS) -> str:
                 "to its round: ~10 ms a call over 100 calls); same: every call the row count met before, new: "
                 "every call a row count no call had before (an unpadded step's token count is new each step).",
                 "", f"- {_where(doc)}", ""]
-    if large.is_file():
-        doc = C.read_json(large)
-        s = doc["settings"]
-        rows = [[r["policy"], str(r["predicted_largest_batch"]) + (f" ({r['predicted_note']})" if r.get("predicted_note") else ""),
-                 str(r["probed_largest_batch"]) + (" (probe limit)" if r["probed_largest_batch"] == r.get("probe_limit") else ""),
-                 (f"{r['probed_largest_batch'] / r['predicted_largest_batch']:.2f}" if r["predicted_largest_batch"] else "—"),
-                 f"{r['sequences_per_sec']:.1f} ({r.get('timed_batch', r['probed_largest_batch'])})"
-                 if r["sequences_per_sec"] else "—",
-                 f"{r['predicted_activation_bytes_per_sequence'] / 2**20:.0f}"
-                 if r["predicted_activation_bytes_per_sequence"] else "—"] for r in doc["policies"]]
-        out += [f"## {s['model']} at length {s['max_seq_length']}, {s['precision']}, under a "
-                f"{s['memory_cap_bytes'] / 2**30:.0f} GiB cap: largest batch and sequences/s per policy", "",
-                markdown_grid(["policy", "planned largest batch", "probed largest batch", "probed / planned",
-                               "seq/s (batch timed)", "planned activation MiB/seq"], rows).rstrip("\n"), "",
-                "Probed: the largest batch for which "
-                + ("one training step (forward, backward, AdamW step) fits, with the optimizer's state allocated "
-                   "only at its end (the first probe's method: the timing below then ran out of memory at the "
-                   "probed batch, as training's second step does, and the batch timed is what repeated steps fit "
-                   "within 10%)" if s.get("probe_steps", 1) == 1 else
-                   "two training steps in a row (forward, backward, AdamW step; the second beside the optimizer's "
-                   "state) fit")
-                + " under `torch.cuda.set_per_process_memory_fraction`, by doubling and bisection; planned: `hpcbert plan` "
-                f"for the same cap. seq/s: median of {s['timed_steps']} whole steps at the probed batch (10% smaller where it ran out of memory after "
-                "the probe), full-length "
-                "sequences."]
-        hosts = {r["policy"]: (r.get("source") or s).get("host_memory_bytes") for r in doc["policies"]}
-        if hosts.get("offload"):
-            out += ["", f"offload: planned for {hosts['offload'] / 2**30:.0f} GiB of host memory (`--host-memory`; "
-                    "half of it for the activations it pins there), its probe stopping a fifth past the plan: it "
-                    "keeps little on the device, so its bound is the host's memory."]
-        missing = [p for p in POLICIES if p not in {r["policy"] for r in doc["policies"]}]
-        if missing:
-            out += ["", f"No record in `large.json` for: {', '.join(missing)}."]
-        own = [r for r in doc["policies"] if r.get("source")]  # a policy measured by a command of its own
-        out += ["", f"- {_where(doc)}" + (f" ({', '.join(r['policy'] for r in doc['policies'] if not r.get('source'))})"
-                                          if own else "")]
-        out += [f"- {_where(r['source'])} ({r['policy']})" for r in own] + [""]
+    # large.json, and large-NAME.json: another model, cap or allocator (gpu.py large --name)
+    for path in sorted(results.glob("large*.json"), key=lambda f: (f.name != "large.json", f.name)):
+        out += _large_section(C.read_json(path), path)
     # in the order they ran: pytest-N-..., by N (pytest-10 after pytest-9)
     logs = sorted(results.glob("pytest-*.log"), key=lambda f: (int(m.group(1)) if (m := re.match(r"pytest-(\d+)", f.name))
                                                               else 0, f.name))
@@ -837,6 +891,8 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--steps", type=int, default=3)
     g.add_argument("--host-memory", default=None, help="host memory offload's plan is made for (default: the "
                    "host's available); its probe stops a little past that plan")
+    g.add_argument("--name", default="large", help="the results file: NAME.json (large-*.json: another model, "
+                   "cap or allocator beside large.json)")
     h = sub.add_parser("hostcost")
     common(h)
     h.add_argument("--tokens", type=int, default=17408, help="rows of the same-shape calls (bert-base at batch "
@@ -847,6 +903,8 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--results-dir", default=str(RESULTS))
     a = p.parse_args(argv)
     C.use_hpcbert(None)
+    from hpcbert import cuda_allocator_default
+    cuda_allocator_default()  # CUDA's allocator as hpcbert train runs it: here and in the runs started from here
     if a.command == "large":  # read here: hpcbert is importable only after use_hpcbert
         from hpcbert.plan import parse_bytes
         try:

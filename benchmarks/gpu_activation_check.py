@@ -13,10 +13,11 @@ layers left `all`'s planned batch 0.73x the probed one on an H200; bert-large: 0
 import gc
 import sys
 
-import torch
-
-from hpcbert import meters, objectives, plan, policies
+from hpcbert import cuda_allocator_default, meters, objectives, plan, policies
 from hpcbert.config import RunConfig
+
+cuda_allocator_default()  # CUDA's allocator as hpcbert train runs it (set before CUDA first allocates)
+import torch  # noqa: E402
 
 dev = torch.device("cuda", 0)
 tasks = (sys.argv[1] if len(sys.argv) > 1 else "synthetic,mlm").split(",")

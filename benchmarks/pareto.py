@@ -252,6 +252,8 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     results = Path(a.results_dir)
     if not a.render:
+        from hpcbert import cuda_allocator_default
+        cuda_allocator_default()  # CUDA's allocator as hpcbert train runs it
         import torch
 
         from hpcbert.runfiles import read_json_object, write_json_atomic

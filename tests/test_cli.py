@@ -269,3 +269,42 @@ def test_bench_summary_takes_each_steps_fastest_round_and_leaves_out_a_stalled_r
     assert "| all | 2.00x | 0.10x | 2000 |" in table
     with pytest.raises(ValueError, match="no run of all logged more than"):
         summarise({"none": [run("none-r1", [9, 1.0])], "all": [run("all-r1", [9])]})
+
+
+def test_the_cuda_allocator_default_keeps_a_users_settings_under_either_name():
+    from hpcbert import cuda_allocator_default, cuda_allocator_settings
+
+    env = {}
+    assert cuda_allocator_settings(env) is None
+    assert cuda_allocator_default(env) == "expandable_segments:True"
+    assert env == {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}  # the name every torch reads
+    for user in ({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:False"},
+                 {"PYTORCH_ALLOC_CONF": "max_split_size_mb:512"}):
+        env = dict(user)
+        assert cuda_allocator_default(env) == next(iter(user.values())) and env == user  # left as it is
+    env = {"PYTORCH_CUDA_ALLOC_CONF": " "}  # empty: torch's default, which hpcbert's replaces
+    assert cuda_allocator_default(env) == "expandable_segments:True" == env["PYTORCH_CUDA_ALLOC_CONF"]
+
+
+def test_the_cli_sets_the_cuda_allocator_before_torch_is_imported(tmp_path):
+    """torch reads the allocator settings when CUDA first allocates; the CLI sets them before torch is
+    even imported (watched here by an import hook in the process of a real training run), so its
+    ranks and anything else it starts inherit them."""
+    code = f"""
+import os, sys
+seen = {{}}
+class Watch:
+    def find_spec(self, name, path=None, target=None):
+        if name == "torch" and "torch" not in seen:
+            seen["torch"] = os.environ.get("PYTORCH_CUDA_ALLOC_CONF")
+        return None
+sys.meta_path.insert(0, Watch())
+from hpcbert import cli
+rc = cli.main(["train", "--model", "bert-tiny", "--task", "synthetic", "--max-steps", "1", "--batch-size", "2",
+               "--synthetic-train-size", "8", "--no-do-eval", "--out", {str(tmp_path / "r")!r}])
+print(rc, seen)
+"""
+    env = {k: v for k, v in run_env().items() if k not in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")}
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=240)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.strip().splitlines()[-1] == "0 {'torch': 'expandable_segments:True'}"

@@ -4,6 +4,7 @@ and bf16 on the device, each through the real CLI; figures are checked against t
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -19,11 +20,11 @@ TINY = ["train", "--model", "bert-tiny", "--task", "synthetic", "--batch-size", 
         "--log-every", "1"]
 
 
-def run(*args, nproc: int = 1, timeout: int = 600):
+def run(*args, nproc: int = 1, timeout: int = 600, env: dict | None = None):
     prefix = [sys.executable, "-m", "hpcbert.cli"] if nproc == 1 else \
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), "-m",
          "hpcbert.cli"]
-    r = subprocess.run([*prefix, *map(str, args)], env=run_env(), capture_output=True, text=True, timeout=timeout)
+    r = subprocess.run([*prefix, *map(str, args)], env=env or run_env(), capture_output=True, text=True, timeout=timeout)
     assert r.returncode == 0, r.stderr[-3000:]
     return r
 
@@ -136,3 +137,21 @@ def test_the_agreement_is_read_without_waiting_for_the_step_queued_after_it():
     drained = time.perf_counter() - t
     assert first == [("step 1", [1.0, 2.0, 3.0])] and second == [("step 2", [4.0, 5.0, 6.0])]
     assert waited < 0.1 < drained, (waited, drained)
+
+
+def test_hpcbert_runs_cuda_with_expandable_segments_unless_the_user_set_the_allocator(tmp_path):
+    """A training run records the allocator settings it ran with, and torch's own record of its
+    segments (torch.cuda.memory._snapshot) shows them expandable where hpcbert set the default after
+    torch was imported and before CUDA first allocated (as benchmarks/gpu.py does; the CLI sets it
+    before importing torch); with a user's expandable_segments:False, the control, they are not."""
+    env = {k: v for k, v in run_env().items() if k not in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")}
+    run(*TINY, "--max-steps", 2, "--out", tmp_path / "r", env=env)
+    assert read_summary(tmp_path / "r")["hardware"]["allocator"] == "expandable_segments:True"
+    code = ("import json, torch, hpcbert; hpcbert.cuda_allocator_default(); x = torch.ones(2**20, device='cuda'); "
+            "print(json.dumps([s.get('is_expandable') for s in torch.cuda.memory._snapshot()['segments']]))")
+    for user, expandable in ((None, True), ("expandable_segments:False", False)):
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                           env={**env, **({"PYTORCH_CUDA_ALLOC_CONF": user} if user else {})})
+        assert r.returncode == 0, r.stderr[-3000:]
+        flags = json.loads(r.stdout.strip().splitlines()[-1])
+        assert flags and all(f is expandable for f in flags), (user, flags)

@@ -73,15 +73,20 @@ def _measure(policy: str) -> dict:
 
 def _in_own_process(call: str) -> dict:
     """`call`, an expression on this module's functions with a JSON result, evaluated in a Python
-    process of its own: what it allocates (and anything a failure leaves) goes with it."""
+    process of its own: what it allocates (and anything a failure leaves) goes with it. Its CUDA
+    allocator is set as `hpcbert train` sets its own (hpcbert.cuda_allocator_default)."""
     import json
     import os
     import subprocess
     import sys
 
+    from hpcbert import cuda_allocator_default
+
     here = os.path.dirname(os.path.abspath(__file__))
+    env = dict(os.environ)
+    cuda_allocator_default(env)
     r = subprocess.run([sys.executable, "-c", f"import json, sys; sys.path.insert(0, {here!r}); import test_plan; "
-                        f"print(json.dumps(test_plan.{call}))"], capture_output=True, text=True, timeout=300)
+                        f"print(json.dumps(test_plan.{call}))"], capture_output=True, text=True, timeout=300, env=env)
     assert r.returncode == 0, r.stderr[-5000:]
     return json.loads(r.stdout.strip().splitlines()[-1])
 

@@ -755,6 +755,35 @@ def test_gpu_mfu_on_pretraining_data_trains_mlm_and_renders_its_own_table(tmp_pa
     assert "## Where a step goes: bert-tiny, masked-LM pre-training, length 128, batch 4" in text
 
 
+def test_gpu_large_records_the_count_beside_the_plan_and_renders_both(tmp_path, monkeypatch):
+    """gpu.py large --name, run on the CPU (bert-tiny): NAME.json, not large.json; per policy the
+    plan's workspace, the count alone (plan.measure_workspace, called here) and the largest batch
+    the count alone plans, which on the CPU (where the plan's workspace is the count) is the
+    plan's own; the README's section names the file's cap and adds the table of them."""
+    import torch
+
+    from hpcbert import plan
+    from hpcbert.config import RunConfig
+
+    gpu = _benchmark_script("gpu")
+    monkeypatch.setenv("HPCBERT_GPU_BENCH_ON_CPU", "1")
+    results = tmp_path / "r"
+    assert gpu.main(["large", "--model", "bert-tiny", "--length", "128", "--memory", "72MiB", "--policies", "none,all",
+                     "--steps", "1", "--threads", "1", "--results-dir", str(results), "--name", "large-tiny"]) == 0
+    assert not (results / "large.json").exists()
+    doc = json.loads((results / "large-tiny.json").read_text())
+    cfg = RunConfig(task="synthetic", model="bert-tiny", max_seq_length=128, precision="bf16")
+    for rec in doc["policies"]:
+        counted = plan.measure_workspace(cfg, rec["policy"], torch.device("cpu"), "bf16")
+        assert rec["counted_workspace_bytes_per_sequence"] == counted == rec["predicted_workspace_bytes_per_sequence"]
+        assert rec["largest_batch_by_count"] == rec["predicted_largest_batch"] >= 1
+        assert rec["probed_largest_batch"] >= 1 and rec["peak_reserved_bytes"] is None  # no CUDA here
+    text = gpu.render(results)
+    assert "## bert-tiny at length 128, bf16, under a" in text and "No record in `large-tiny.json` for" in text
+    table = text[text.index("| policy | activation MiB/seq | planned workspace"):].split("\n\n")[0].splitlines()
+    assert [row.split(" | ")[0] for row in table[2:]] == ["| none", "| all"]
+
+
 def test_gpu_data_script_gathers_what_a_gpu_session_carries(tmp_path):
     """benchmarks/gpu_data.sh: MRPC and the minilm-l6 tokenizer files copied byte for byte, the wiki
     extract's first 16 files prepared for masked-LM (the token count in metadata.json as the arrays

@@ -15,11 +15,12 @@ import argparse
 import os
 import sys
 
-from . import config
+from . import config, cuda_allocator_default
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    cuda_allocator_default()  # before torch is imported: hpcbert's CUDA runs use expandable segments
     if argv and argv[0] == "report":
         from . import report
         return report.cli(argv[1:])

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from . import __version__
+from . import __version__, cuda_allocator_settings
 
 
 @dataclass
@@ -301,7 +301,8 @@ def hardware(device: torch.device) -> dict:
             # On a shared machine, the load while the run ended says how noisy its timings may be.
             "load_average_1m": os.getloadavg()[0] if hasattr(os, "getloadavg") else None}
     if device.type == "cuda":
-        info.update(device=torch.cuda.get_device_name(device), device_count=torch.cuda.device_count())
+        info.update(device=torch.cuda.get_device_name(device), device_count=torch.cuda.device_count(),
+                    allocator=cuda_allocator_settings() or "PyTorch's default")
     else:
         info.update(device=f"CPU ({info['cpu']})", device_count=1)
     return info
