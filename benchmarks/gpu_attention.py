@@ -4,9 +4,11 @@
 SDPA backends on the padded layout (`model.padded_attention` under `sdpa_kernel`: memory-efficient,
 cuDNN, math) and, without dropout, `torch.nn.attention.varlen.varlen_attn`. In one process, the
 variants in rotating order each round, CUDA events around forward + backward; the ratio is each
-variant's median time over the training path's. Attention took 21% of a compiled bert-base step's
-device time at batch 256 on an H200 (flash backward alone 17%) for about 2% of its FLOPs
-(results/gpu/profile.json): this says whether another kernel would take less.
+variant's median time over the training path's. One variant is the training path's kernel without
+its copies of Q, K and V (views of the fused rows): whether ATen's kernel takes them, and what the
+copies cost. Attention took 21% of a compiled bert-base step's device time at batch 256 on an H200
+(flash backward alone 17%) for about 2% of its FLOPs (results/gpu/profile.json): this says whether
+another kernel would take less.
 
     python benchmarks/gpu_attention.py                      # bert-base heads, batch 256, lengths 8-128
     python benchmarks/gpu_attention.py --out results/gpu/attention.json
@@ -43,7 +45,15 @@ def variants(cuda: bool, p: float) -> dict:
 
     if not cuda:
         return {"math (padded)": padded(SDPBackend.MATH), "math again (padded)": padded(SDPBackend.MATH)}
+    def views(qkv, tokens, heads, p):
+        # the training path's kernel on Q, K and V as views of the fused rows (row stride 3H), without
+        # the copies model.attention makes: ATen's varlen kernel asks only for a contiguous last dimension
+        n, H = qkv.shape[0], qkv.shape[1] // 3
+        q, k, v = qkv.view(n, 3, heads, H // heads).unbind(1)
+        return M._FlashVarlen.apply(q, k, v, tokens.cu_seqlens, tokens.max_len, p).reshape(n, H)
+
     out = {"flash varlen (hpcbert)": lambda qkv, tokens, heads, p: M.attention(qkv, tokens, heads, p),
+           "flash varlen, Q/K/V views": views,
            "efficient (padded)": padded(SDPBackend.EFFICIENT_ATTENTION),
            "cudnn (padded)": padded(SDPBackend.CUDNN_ATTENTION),
            "math (padded)": padded(SDPBackend.MATH)}
