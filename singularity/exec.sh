@@ -72,14 +72,15 @@ else
 fi
 
 # Pass the run's variables in by name: rendezvous and torchrun settings, scheduler, hpcbert contract,
-# threads, GPUs, communication libraries.
+# threads, GPUs, communication libraries, the CUDA allocator's settings (a user's; without them
+# hpcbert sets its own inside).
 case ${runtime##*/} in singularity) prefix=SINGULARITYENV_ ;; *) prefix=APPTAINERENV_ ;; esac
 extra=" ${HPCBERT_CONTAINER_ENV:-} "
 for v in $(compgen -e); do
   case $v in
     MASTER_ADDR|MASTER_PORT|NODE_RANK|NNODES|NPROC_PER_NODE|WORLD_SIZE|RANK|LOCAL_RANK|LOCAL_WORLD_SIZE|HEAD_NODE|JOB_ID|\
     SLURM_*|PBS_*|HPCBERT_*|PET_*|TORCH_*|TORCHELASTIC_*|NCCL_*|GLOO_*|OMP_NUM_THREADS|MKL_NUM_THREADS|\
-    CUDA_VISIBLE_DEVICES|TMPDIR|LOGLEVEL) export "$prefix$v=${!v}" ;;
+    CUDA_VISIBLE_DEVICES|PYTORCH_CUDA_ALLOC_CONF|PYTORCH_ALLOC_CONF|TMPDIR|LOGLEVEL) export "$prefix$v=${!v}" ;;
     *) case $extra in *" $v "*) export "$prefix$v=${!v}" ;; esac ;;
   esac
 done

@@ -230,7 +230,8 @@ RECORDER = """#!{python}
 # stand-in bootstrap: records its arguments, working directory and the job's environment
 import json, os, sys
 names = ["OMP_NUM_THREADS", "HPCBERT_JOB_DEADLINE", "HPCBERT_STOP_FILE", "HPCBERT_PYTHON", "HPCBERT_KIT",
-         "HPCBERT_WRAPPER", "HPCBERT_IMAGE", "HPCBERT_BINDS", "HPCBERT_NV", "GLUE_DIR"]
+         "HPCBERT_WRAPPER", "HPCBERT_IMAGE", "HPCBERT_BINDS", "HPCBERT_NV", "GLUE_DIR", "NCCL_SOCKET_IFNAME",
+         "PYTORCH_CUDA_ALLOC_CONF", "UNRELATED"]
 json.dump({{"argv": sys.argv[1:], "cwd": os.getcwd(), "env": {{k: os.environ.get(k) for k in names}},
            "stop_file_existed": os.path.exists(os.environ["HPCBERT_STOP_FILE"])}},
           open(os.environ["HPCBERT_TEST_LOG"], "w"))
@@ -353,9 +354,13 @@ def test_pbsdsh_gets_the_directory_and_environment_back(job_sandbox):
     tmp_path, env = job_sandbox
     stub(tmp_path / "bin" / "pbsdsh", LAUNCHER.replace('exec "$@"', 'cd / && exec env -i "$@"'))
     text = render(spec("pbs", launcher="pbsdsh", gpus_per_node=0, procs_per_node=3, cpus_per_node=6), "cmd")
-    r, rec = run_script(text, tmp_path, dict(env, PBS_JOBID="8", PBS_O_WORKDIR=str(tmp_path)))
+    r, rec = run_script(text, tmp_path, dict(env, PBS_JOBID="8", PBS_O_WORKDIR=str(tmp_path), NCCL_SOCKET_IFNAME="ib0",
+                                             PYTORCH_CUDA_ALLOC_CONF="expandable_segments:False", UNRELATED="no"))
     assert r.returncode == 0, r.stderr
     assert rec["cwd"] == str(tmp_path) and rec["env"]["OMP_NUM_THREADS"] == "2"
+    # the user's communication and allocator settings reach every node; what a run does not read stays out
+    assert rec["env"]["NCCL_SOCKET_IFNAME"] == "ib0" and rec["env"]["UNRELATED"] is None
+    assert rec["env"]["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:False"
     assert rec["env"]["HPCBERT_STOP_FILE"] == str(tmp_path / "runs" / "hpcbert" / "STOP")
     assert (tmp_path / "record.json.launcher").read_text().startswith("pbsdsh -- /bin/bash -c")
 
@@ -431,7 +436,8 @@ def test_exec_sh_runs_the_command_in_apptainer_with_gpu_binds_and_the_rendezvous
     stub(bin_dir / "apptainer", FAKE_RUNTIME)
     stub(bin_dir / "singularity", FAKE_RUNTIME.replace("printf", "echo singularity-used >&2; printf"))
     env.update(CUDA_VISIBLE_DEVICES="0,1,2,3", MASTER_ADDR="node01", NODE_RANK="1", SLURM_JOB_ID="99",
-               HPCBERT_BINDS="/scratch:/scratch", HPCBERT_CONTAINER_ENV="MY_VAR", MY_VAR="x,y", UNRELATED="no")
+               HPCBERT_BINDS="/scratch:/scratch", HPCBERT_CONTAINER_ENV="MY_VAR", MY_VAR="x,y", UNRELATED="no",
+               PYTORCH_CUDA_ALLOC_CONF="expandable_segments:False,max_split_size_mb:512")
     r = wrap(env, "--image", "img.sif", "--bind", "/data:/data:ro", "--", "sh", "-c", 'echo "ran $0 $1"', "a b")
     assert r.returncode == 0, r.stderr
     assert r.stdout == "ran a b \n"
@@ -441,6 +447,8 @@ def test_exec_sh_runs_the_command_in_apptainer_with_gpu_binds_and_the_rendezvous
     passed = (tmp_path / "args.env").read_text().splitlines()
     for line in ("APPTAINERENV_CUDA_VISIBLE_DEVICES=0,1,2,3", "APPTAINERENV_MASTER_ADDR=node01",
                  "APPTAINERENV_NODE_RANK=1", "APPTAINERENV_SLURM_JOB_ID=99", "APPTAINERENV_MY_VAR=x,y",
+                 # a user's allocator settings, whole (without them hpcbert inside sets expandable segments)
+                 "APPTAINERENV_PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False,max_split_size_mb:512",
                  f"APPTAINERENV_PYTHONPATH={ROOT / 'BERT'}"):
         assert line in passed
     assert not [p for p in passed if "UNRELATED" in p]

@@ -295,6 +295,12 @@ def directives(spec: JobSpec) -> list[str]:
     return [f"#PBS {x}" for x in d]
 
 
+# The job's variables pbsdsh and ssh pass on to every node (they start with a bare environment;
+# srun and mpiexec pass the whole of it): hpcbert's and PBS's, the interpreter's, the communication
+# libraries' and torch's, and the CUDA allocator's settings (a user's; without them hpcbert sets its own).
+_NODE_ENV = ("HPCBERT_*|PBS_*|OMP_NUM_THREADS|PATH|PYTHONPATH|LD_LIBRARY_PATH|VIRTUAL_ENV|NCCL_*|GLOO_*|TORCH_*|"
+             "PYTORCH_CUDA_ALLOC_CONF|PYTORCH_ALLOC_CONF")
+
 # How PBS starts one bootstrap per node (Slurm: srun, in templates/slurm.sh).
 _PBS_LAUNCH = {
     "mpiexec": """\
@@ -306,7 +312,7 @@ launch_cmd() { LAUNCH=(mpiexec -n @@nodes --ppn 1); }""",
 node_env() {
   local v
   for v in $(compgen -e); do
-    case $v in HPCBERT_*|PBS_*|OMP_NUM_THREADS|PATH|PYTHONPATH|LD_LIBRARY_PATH|VIRTUAL_ENV) LAUNCH+=("$v=${!v}") ;; esac
+    case $v in @@node_env) LAUNCH+=("$v=${!v}") ;; esac
   done
 }
 launch_cmd() { LAUNCH=(pbsdsh @@pbsdsh_opts-- /bin/bash -c 'cd "$1" && shift && exec env "$@"' hpcbert-node "$PWD"); node_env; }""",
@@ -318,7 +324,7 @@ on_each_node() {
   local host cmd pids=() rc=0 v
   cmd="cd $(printf %q "$PWD") && exec env"
   for v in $(compgen -e); do
-    case $v in HPCBERT_*|PBS_*|OMP_NUM_THREADS|PATH|PYTHONPATH|LD_LIBRARY_PATH|VIRTUAL_ENV) cmd+=" $(printf %q "$v=${!v}")" ;; esac
+    case $v in @@node_env) cmd+=" $(printf %q "$v=${!v}")" ;; esac
   done
   cmd+=" $(printf '%q ' "$@")"
   for host in $(awk '!seen[$0]++' "$PBS_NODEFILE"); do
@@ -370,6 +376,7 @@ def render(spec: JobSpec, command: str, *, workdir: str | None = None, python: s
                       f"runs/{spec.job_name} (named after the job, not the job id)"),
         out_arg="" if gave_out else ' --out "$RUN_DIR"',
         pbsdsh_opts="-u " if spec.scheduler == "torque" else "",  # Torque: once per distinct node
+        node_env=_NODE_ENV,
     )
     if spec.scheduler == "slurm":
         head = _template("slurm.sh").substitute(values)
