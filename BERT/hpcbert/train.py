@@ -203,7 +203,11 @@ class Trainer:
         # Measurements taken before training (part of start-up).
         self.raw.train()
         self.act_bytes = meters.activation_bytes_per_sequence(self.raw, self._example_loss, d.device)
-        self.peak, self.peak_src = meters.peak_flops(d.device, self.precision)
+        # The run's peak is rank 0's (its summary's MFU). On CPU another rank measuring one would run
+        # its matmuls beside rank 0's measurement, lowering it, and write the machine's peak cache
+        # too, racing rank 0 (CI saw rank 1 create the cache's folder).
+        self.peak, self.peak_src = (meters.peak_flops(d.device, self.precision) if d.is_main
+                                    else (None, "measured by rank 0"))
 
         # Policies that change how the model runs, applied from outside: DDP, then compile.
         model: nn.Module = self.raw
