@@ -13,11 +13,14 @@ layers left `all`'s planned batch 0.73x the probed one on an H200; bert-large: 0
 import gc
 import sys
 
-from hpcbert import cuda_allocator_default, meters, objectives, plan, policies
-from hpcbert.config import RunConfig
+from hpcbert import cuda_allocator_default
 
-cuda_allocator_default()  # CUDA's allocator as hpcbert train runs it (set before CUDA first allocates)
+cuda_allocator_default()  # CUDA's allocator as hpcbert train runs it: set, as the CLI sets it, before torch is imported
+
 import torch  # noqa: E402
+
+from hpcbert import meters, objectives, plan, policies  # noqa: E402
+from hpcbert.config import RunConfig  # noqa: E402
 
 dev = torch.device("cuda", 0)
 tasks = (sys.argv[1] if len(sys.argv) > 1 else "synthetic,mlm").split(",")
