@@ -24,6 +24,8 @@ fi
     date -u
     nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv
     python3 -c "import torch, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'transformers', transformers.__version__)"
+    # the CUDA allocator's settings the parts start with (hpcbert's default where none: expandable segments)
+    echo "PYTORCH_ALLOC_CONF=${PYTORCH_ALLOC_CONF:-} PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-}"
     nproc; free -g | head -2
 } > "$OUT/info.txt" 2>&1
 cat "$OUT/info.txt"
