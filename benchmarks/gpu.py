@@ -469,12 +469,8 @@ def cmd_large(a) -> int:
         predicted = made.policies[0]
         # the plan's workspace against the count alone (on CUDA it takes at least plan.workspace_rule's):
         # the largest batch the count alone would plan, beside the probe, says which one the GPU follows
-        try:
-            counted = plan.measure_workspace(cfg, policy, dev, "bf16")
-        except Exception as e:  # noqa: BLE001 - recorded: the count is what is under test here
-            counted, count_error = None, f"{type(e).__name__}: {str(e)[:200]}"
-        else:
-            count_error = None
+        counted = predicted.workspace_counted
+        count_error = None if counted is not None else predicted.note
         free = (cap * (1 - plan.FRAGMENTATION) if cuda else cap) - made.state_total
         by_count = (max(0, int(free // (predicted.activation_bytes_per_sequence + counted)))
                     if counted is not None and predicted.activation_bytes_per_sequence is not None else None)

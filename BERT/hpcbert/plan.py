@@ -87,6 +87,7 @@ class PolicyPlan:
     cost: float | None                         # step time vs none at equal batch (time model)
     seq_per_s: float | None                    # predicted at the largest batch
     note: str = ""
+    workspace_counted: int | None = None       # the count alone (CUDA plans at least the rule); None: it failed
 
 
 @dataclass
@@ -200,8 +201,10 @@ def workspace_rule(policy: str, per_layer: float) -> int:
     return int(per_layer * (1 if policy in ("none", "offload", "selective") else 2))
 
 
-def workspace_of(cfg: RunConfig, policy: str, device, precision: str, per_layer: float) -> tuple[int, str]:
-    """(workspace bytes per sequence, a note where it is not the count). CPU: the count
+def workspace_of(cfg: RunConfig, policy: str, device, precision: str,
+                 per_layer: float) -> tuple[int, int | None, str]:
+    """(workspace bytes per sequence, the count alone or None where it failed, a note where the
+    workspace is not the count). CPU: the count
     (measure_workspace), which glibc's bytes in use match (tests/test_plan.py). CUDA: the count, but
     at least the rule: kernels' own buffers (flash attention's, cuBLAS's) and the caching allocator's
     rounding are not storages an operation returns, so the count misses them; on an H200 (bert-base,
@@ -209,12 +212,14 @@ def workspace_of(cfg: RunConfig, policy: str, device, precision: str, per_layer:
     what a masked-LM head's logits and their gradient take at the start of backward, which the rule
     does not see. Should the count fail on a GPU, the rule, and the note says so."""
     if device.type == "cpu":
-        return measure_workspace(cfg, policy, device, precision), ""
+        counted = measure_workspace(cfg, policy, device, precision)
+        return counted, counted, ""
     rule = workspace_rule(policy, per_layer)
     try:
-        return max(rule, measure_workspace(cfg, policy, device, precision)), ""
+        counted = measure_workspace(cfg, policy, device, precision)
     except Exception as e:  # noqa: BLE001 - reported in the plan's table, the rule stands
-        return rule, f"workspace by rule only (its count failed: {type(e).__name__}: {str(e)[:120]})"
+        return rule, None, f"workspace by rule only (its count failed: {type(e).__name__}: {str(e)[:120]})"
+    return max(rule, counted), counted, ""
 
 
 def device_constants(device) -> tuple[float, float, float | None, str]:
@@ -268,7 +273,7 @@ def make_plan(cfg: RunConfig, memory_bytes: int | None = None, device=None,
             plans.append(PolicyPlan(p, None, None, 0, None, None, "CUDA only"))
             continue
         act = measured[p][0]
-        workspace, note = workspace_of(cfg, p, device, precision, per_layer)
+        workspace, counted, note = workspace_of(cfg, p, device, precision, per_layer)
         largest = max(0, int(free // (act + workspace)))
         if p == "offload":
             largest, host_note = offload_largest(largest, none_act - act, host_bytes if host_bytes is not None
@@ -278,7 +283,7 @@ def make_plan(cfg: RunConfig, memory_bytes: int | None = None, device=None,
         if p == "offload" and link:
             seq_time = max(seq_time, 2 * (none_act - act) / link)
         plans.append(PolicyPlan(p, act, workspace, largest, seq_time / t_seq,
-                                largest / (largest * seq_time + t_opt) if largest else None, note))
+                                largest / (largest * seq_time + t_opt) if largest else None, note, counted))
     best, batch = choose(plans, t_seq, t_opt)
     return Plan(cfg.model, cfg.max_seq_length, precision, cfg.optimizer, _device_name(device), int(memory_bytes),
                 state, plans, best, batch, t_seq, t_opt)
