@@ -456,6 +456,68 @@ def timed_trainer_classes():
     return StepTimer, TimedTrainer, Deadline
 
 
+def train_resumable(model, tok, train_ds, collator, *, scratch: str, batch: int, lr: float, epochs: float,
+                    max_steps: int | None, total: int, seed: int, group_by_length: bool, threads: int,
+                    deadline: float | None):
+    """The Trainer of compare_hf_squad.py and compare_hf_chinese.py, set up as transformers' example
+    scripts do with this script's settings (fused AdamW, weight decay, linear warm-up over hpcbert's
+    round(0.1 x steps) then decay, max grad norm 1, nothing evaluated or saved while training), resumed
+    from the newest checkpoint in `scratch` and stopped with a checkpoint before `deadline` (epoch
+    seconds; None: none). Returns (args, trainer, timer, train_out, t_train, t_done); the deadline
+    stopped it when trainer.state.global_step < total."""
+    import torch
+    from transformers import TrainingArguments
+    args = TrainingArguments(
+        output_dir=scratch, per_device_train_batch_size=batch, per_device_eval_batch_size=EVAL_BATCH,
+        learning_rate=lr, weight_decay=WEIGHT_DECAY, adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=ADAM_EPS,
+        max_grad_norm=MAX_GRAD_NORM, lr_scheduler_type="linear", warmup_steps=warmup_steps(total),
+        num_train_epochs=epochs, max_steps=max_steps if max_steps else -1, eval_strategy="no", save_strategy="no",
+        report_to="none", dataloader_num_workers=0, seed=seed, logging_strategy="steps", logging_steps=10,
+        disable_tqdm=True, optim="adamw_torch_fused", use_cpu=not torch.cuda.is_available(), save_total_limit=1,
+        # group_by_length=True in transformers < 5; the same LengthGroupedSampler here.
+        train_sampling_strategy="group_by_length" if group_by_length else "random",
+    )
+    torch.set_num_threads(threads)  # after anything that might have touched it
+
+    StepTimer, TimedTrainer, Deadline = timed_trainer_classes()
+    timer = StepTimer()
+    trainer = TimedTrainer(model=model, args=args, train_dataset=train_ds, data_collator=collator,
+                           processing_class=tok, callbacks=[timer, Deadline(timer, deadline)])
+    ckpts = sorted(Path(scratch).glob("checkpoint-*"), key=lambda q: int(q.name.split("-")[1]))
+    t_train = time.perf_counter()
+    train_out = trainer.train(resume_from_checkpoint=str(ckpts[-1]) if ckpts else None)
+    return args, trainer, timer, train_out, t_train, time.perf_counter()
+
+
+def trainer_figures(trainer, timer, warmup_excluded: int, train_out, t_process: float, t_train: float,
+                    t_done: float) -> dict:
+    """A finished run's figures from timed_trainer_classes(): each step timed from its batch fetch to the
+    end of its optimizer step (hpcbert's span; the callback's own span beside it), the first
+    `warmup_excluded` steps left out of the steady figures. Shared by the Trainer workers of this script,
+    compare_hf_squad.py and compare_hf_chinese.py."""
+    import numpy as np
+    n = len(timer.end)
+    assert len(timer.begin) == n and len(trainer.fetch_start) >= n, (len(timer.begin), n, len(trainer.fetch_start))
+    w = min(warmup_excluded, max(0, n - 1))
+    full = [timer.end[i] - trainer.fetch_start[i] for i in range(n)]
+    cb = [timer.end[i] - timer.begin[i] for i in range(n)]
+    seqs = [sum(s[0] for s in trainer.shapes[i]) for i in range(n)]
+    padded = [sum(s[0] * s[1] for s in trainer.shapes[i]) for i in range(n)]
+    steady_seqs = sum(seqs[w:])
+    return {
+        "steps": n, "warmup_steps_excluded": w, "threads": timer.threads,
+        "steady_sequences_per_sec": steady_seqs / sum(full[w:]) if n > w else None,
+        "callback_sequences_per_sec": steady_seqs / sum(cb[w:]) if n > w else None,
+        "padded_tokens_per_seq": sum(padded[w:]) / steady_seqs if n > w else None,
+        "real_tokens_per_seq": sum(trainer.real_tokens[w:n]) / steady_seqs if n > w else None,
+        "steady_step_time_s": float(np.median(full[w:])) if n > w else None,
+        "step_times": full, "callback_step_times": cb, "step_sequences": seqs, "step_padded_tokens": padded,
+        "step_real_tokens": trainer.real_tokens[:n], "startup_s": t_train - t_process, "train_s": t_done - t_train,
+        "train_loss": train_out.training_loss,
+        "final_loss": next((h["loss"] for h in reversed(trainer.state.log_history) if "loss" in h), None),
+    }
+
+
 def hf_worker(argv: list[str]) -> int:
     """Fine-tune with transformers.Trainer as run_glue.py does and write one JSON of measurements."""
     p = argparse.ArgumentParser(prog="compare_hf.py _hf-worker")
@@ -580,14 +642,6 @@ def hf_worker(argv: list[str]) -> int:
     train_out = trainer.train()
     t_done = time.perf_counter()
 
-    n = len(timer.end)
-    assert len(timer.begin) == n and len(trainer.fetch_start) >= n, (len(timer.begin), n, len(trainer.fetch_start))
-    w = min(a.warmup_steps_excluded, max(0, n - 1))
-    full = [timer.end[i] - trainer.fetch_start[i] for i in range(n)]
-    cb = [timer.end[i] - timer.begin[i] for i in range(n)]
-    seqs = [sum(s[0] for s in trainer.shapes[i]) for i in range(n)]
-    padded = [sum(s[0] * s[1] for s in trainer.shapes[i]) for i in range(n)]
-    steady_seqs = sum(seqs[w:])
     result = {
         "side": "transformers.Trainer",
         "model": a.model, "batch_size": a.batch_size,
@@ -595,18 +649,8 @@ def hf_worker(argv: list[str]) -> int:
         "optim": str(args.optim.value if hasattr(args.optim, "value") else args.optim),
         "attn_implementation": getattr(model.config, "_attn_implementation", None),
         "torch_compile": bool(args.torch_compile), "pad_to_multiple_of": a.pad_to_multiple_of,
-        "warmup_steps": warm, "total_steps": total, "steps": n, "warmup_steps_excluded": w,
-        "threads": timer.threads,
-        "steady_sequences_per_sec": steady_seqs / sum(full[w:]) if n > w else None,
-        "callback_sequences_per_sec": steady_seqs / sum(cb[w:]) if n > w else None,
-        "padded_tokens_per_seq": sum(padded[w:]) / steady_seqs if n > w else None,
-        "real_tokens_per_seq": sum(trainer.real_tokens[w:n]) / steady_seqs if n > w else None,
-        "steady_step_time_s": float(np.median(full[w:])) if n > w else None,
-        "step_times": full, "callback_step_times": cb, "step_sequences": seqs, "step_padded_tokens": padded,
-        "step_real_tokens": trainer.real_tokens[:n],
-        "startup_s": t_train - t_process, "train_s": t_done - t_train,
-        "train_loss": train_out.training_loss,
-        "final_loss": next((h["loss"] for h in reversed(trainer.state.log_history) if "loss" in h), None),
+        "warmup_steps": warm, "total_steps": total,
+        **trainer_figures(trainer, timer, a.warmup_steps_excluded, train_out, t_process, t_train, t_done),
         "eval": {},
     }
     if a.do_eval:
@@ -842,6 +886,86 @@ def load_line(runs: list[dict], threads: int, cores: int) -> str:
 
 def _fmt_list(xs, f="{:.2f}") -> str:
     return ", ".join(f.format(x) for x in xs)
+
+
+def mean_pm(mean: float, std: float) -> str:
+    """mean ± sample std; one seed has no std: the mean alone."""
+    return f"{mean:.2f}" if math.isnan(std) else f"{mean:.2f} ± {std:.2f}"
+
+
+# ----------------------------------------------------------------------------------------------
+# shared with compare_hf_squad.py and compare_hf_chinese.py: interleaved (hpcbert, Trainer) pairs
+# "dynamic" and "max" in one throughput.json, accuracy runs in resumable segments
+# ----------------------------------------------------------------------------------------------
+
+def add_dir_options(sp, results: Path, work: Path, work_help: str) -> None:
+    sp.add_argument("--results-dir", default=str(results), help="(default: %(default)s)")
+    sp.add_argument("--work-dir", default=str(work), help=f"{work_help} (default: %(default)s)")
+    sp.add_argument("--hpcbert-rev", default=None, help="run the hpcbert of this git commit (git archive) "
+                    "instead of the working tree's BERT/")
+
+
+def run_segment(cmd: list[str], log: Path, env: dict) -> tuple[int, dict]:
+    """Run `cmd` from the project root, appending to `log` (one accuracy run's segments share it);
+    returns (exit status, noise) and leaves a failure to the caller."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    b0, o0, t0 = _cpu_busy_s(), _own_cpu_s(), time.perf_counter()
+    with open(log, "a") as f:
+        f.write(f"$ {shlex.join(cmd)}\n")
+        f.flush()
+        rc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT).returncode
+    wall = time.perf_counter() - t0
+    other = max(0.0, (_cpu_busy_s() - b0 - (_own_cpu_s() - o0)) / wall)
+    return rc, {"other_cores_during": other, "wall_s": wall}
+
+
+def pair_summary(doc: dict, combos: list[tuple[str, str, str]]) -> list[dict]:
+    """Per comparison (hpcbert's pair, the Trainer's pair, what it compares): the per-repeat ratio
+    hpcbert / Trainer of training sequences/s, and its median; "dynamic" against "dynamic" is the headline."""
+    by = {(r["pair"], r["side"], r["repeat"]): r for r in doc["runs"]}
+    out = []
+    for hp_pair, hf_pair, what in combos:
+        reps = sorted(r for (p, side, r) in by if p == hp_pair and side == "hpcbert" and (hf_pair, "hf", r) in by)
+        if not reps:
+            continue
+        hp = [by[(hp_pair, "hpcbert", r)] for r in reps]
+        hf = [by[(hf_pair, "hf", r)] for r in reps]
+        ratios = [x["steady_sequences_per_sec"] / y["steady_sequences_per_sec"] for x, y in zip(hp, hf)]
+        out.append({"comparison": what, "hpcbert_label": hp[0]["label"], "hf_label": hf[0]["label"],
+                    "repeats": reps, "hpcbert_seq_s": [x["steady_sequences_per_sec"] for x in hp],
+                    "hf_seq_s": [y["steady_sequences_per_sec"] for y in hf], "ratios": ratios,
+                    "ratio_median": statistics.median(ratios),
+                    "hpcbert_padded_tokens_per_seq": statistics.mean(x["padded_tokens_per_seq"] for x in hp),
+                    "hf_padded_tokens_per_seq": statistics.mean(y["padded_tokens_per_seq"] for y in hf),
+                    "headline": hp_pair == hf_pair == "dynamic"})
+    return out
+
+
+def render_pair_table(summary: list[dict], seq_fmt: str) -> str:
+    from hpcbert.report import markdown_grid  # imported after use_hpcbert()
+    rows = [[c["comparison"], c["hpcbert_label"], c["hf_label"], _fmt_list(c["hpcbert_seq_s"], seq_fmt),
+             _fmt_list(c["hf_seq_s"], seq_fmt),
+             f"{c['hpcbert_padded_tokens_per_seq']:.1f} / {c['hf_padded_tokens_per_seq']:.1f}",
+             _fmt_list(c["ratios"]) + "x", f"**{c['ratio_median']:.2f}x**"] for c in summary]
+    return markdown_grid(["comparison", "hpcbert", "Trainer", "hpcbert seq/s per repeat",
+                          "Trainer seq/s per repeat", "padded tokens/seq hpcbert / Trainer",
+                          "ratio per repeat", "ratio (median)"], rows).rstrip("\n")
+
+
+def render_pair_runs(doc: dict) -> list[str]:
+    """After a pair table: the load on the machine, the commands, and every run in the order it ran."""
+    from hpcbert.report import markdown_grid
+    lines = ["", load_line(doc["runs"], doc["settings"]["threads"], doc["calls"][0]["machine"]["cores"])
+             if doc["calls"] else ""]
+    lines += ["", "Commands (each under `/work/tools/quiet`, which keeps tests and accuracy runs off the machine "
+                  "while it runs):", ""]
+    lines += [f"- `{c['command']}` ({c['date']})" for c in doc["calls"]]
+    lines += ["", "Every run, in the order it ran:", "", markdown_grid(
+        ["pair", "repeat", "side", "seq/s", "padded tokens/seq", "other-work cores during the run"],
+        [[r["pair"], str(r["repeat"]), r["label"], f"{r['steady_sequences_per_sec']:.3f}",
+          f"{r['padded_tokens_per_seq']:.1f}", f"{r['noise']['other_cores_during']:.2f}"]
+         for r in doc["runs"]]).rstrip("\n")]
+    return lines
 
 
 def render_throughput(doc: dict) -> str:
@@ -1355,9 +1479,10 @@ def render_readme(results: Path) -> str:
     return "\n".join(out)
 
 
-def cmd_render(a) -> int:
-    text = render_readme(Path(a.results_dir))
-    (Path(a.results_dir) / "README.md").write_text(text)
+def write_readme(results_dir: str, render) -> int:
+    """`render` command of this script and the two beside it: README.md in the results folder, from its JSON."""
+    text = render(Path(results_dir))
+    (Path(results_dir) / "README.md").write_text(text)
     print(text)
     return 0
 
@@ -1465,7 +1590,7 @@ def main(argv: list[str] | None = None) -> int:
 
     r = sub.add_parser("render", help="write results/compare_hf/README.md from the JSON files")
     r.add_argument("--results-dir", default=str(DEFAULT_RESULTS))
-    r.set_defaults(fn=cmd_render)
+    r.set_defaults(fn=lambda a: write_readme(a.results_dir, render_readme))
 
     a = p.parse_args(argv)
     use_hpcbert(getattr(a, "hpcbert_rev", None))

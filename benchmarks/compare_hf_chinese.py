@@ -34,15 +34,13 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import shlex
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import compare_hf as C  # noqa: E402  (shared helpers: subprocess runs, noise, machine info, JSON I/O)
+import compare_hf as C  # noqa: E402  (shared: runs, noise, machine info, JSON I/O, the Trainer, pair tables)
 
 ROOT = C.ROOT
 CHINESE = ROOT.parent / "shared" / "data" / "chinese"
@@ -50,8 +48,9 @@ DATA = CHINESE / "chnsenticorp"
 VOCAB = CHINESE / "bert-base-chinese"
 DEFAULT_RESULTS = ROOT / "results" / "chinese"
 DEFAULT_WORK = ROOT / "runs" / "compare_hf_chinese"
-SEQ_LEN, THREADS, EVAL_BATCH = 128, 2, 64
-WEIGHT_DECAY, WARMUP_RATIO, MAX_GRAD_NORM, ADAM_EPS = 0.01, 0.1, 1.0, 1e-8
+SEQ_LEN, THREADS = 128, 2
+# the Trainer's settings shared with compare_hf.py (C.train_resumable uses them)
+EVAL_BATCH, WEIGHT_DECAY, WARMUP_RATIO, MAX_GRAD_NORM = C.EVAL_BATCH, C.WEIGHT_DECAY, C.WARMUP_RATIO, C.MAX_GRAD_NORM
 PRECISION = "fp32"
 SEEDS = (1, 2, 3)
 # accuracy: a small shape from scratch
@@ -77,12 +76,6 @@ PAIRS = {
 
 def say(msg: str) -> None:
     print(f"[compare_hf_chinese {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
-
-
-def header(kind: str) -> dict:
-    import datetime
-    return {"kind": kind, "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-            "command": C.command_line(), "machine": C.machine_info(THREADS)}
 
 
 def check_data() -> None:
@@ -121,7 +114,7 @@ def hf_worker(argv: list[str]) -> int:
     import torch
     import transformers
     from transformers import (AutoModelForSequenceClassification, AutoTokenizer, BertConfig, DataCollatorWithPadding,
-                              TrainingArguments, default_data_collator)
+                              default_data_collator)
 
     from hpcbert.data.metrics import accuracy, f1_macro
     from hpcbert.data.own import read_classification
@@ -147,55 +140,22 @@ def hf_worker(argv: list[str]) -> int:
     transformers.set_seed(a.seed)  # the random weights are drawn from this seed
     model = AutoModelForSequenceClassification.from_config(cfg)
     total = a.max_steps or math.ceil(a.epochs * math.ceil(len(train_ds) / a.batch_size))
-    warm = round(WARMUP_RATIO * total)  # hpcbert's rule, given to the Trainer as an integer
-    args = TrainingArguments(
-        output_dir=a.scratch, per_device_train_batch_size=a.batch_size, per_device_eval_batch_size=EVAL_BATCH,
-        learning_rate=a.lr, weight_decay=WEIGHT_DECAY, adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=ADAM_EPS,
-        max_grad_norm=MAX_GRAD_NORM, lr_scheduler_type="linear", warmup_steps=warm, num_train_epochs=a.epochs,
-        max_steps=a.max_steps if a.max_steps else -1, eval_strategy="no", save_strategy="no", report_to="none",
-        dataloader_num_workers=0, seed=a.seed, logging_strategy="steps", logging_steps=10, disable_tqdm=True,
-        optim="adamw_torch_fused", use_cpu=not torch.cuda.is_available(), save_total_limit=1,
-        # group_by_length=True in transformers < 5; the same LengthGroupedSampler here.
-        train_sampling_strategy="group_by_length" if a.group_by_length else "random",
-    )
-    torch.set_num_threads(THREADS)
-
-    StepTimer, TimedTrainer, Deadline = C.timed_trainer_classes()
-
-    timer = StepTimer()
-    trainer = TimedTrainer(model=model, args=args, train_dataset=train_ds, data_collator=collator,
-                           processing_class=tok, callbacks=[timer, Deadline(timer, a.deadline)])
-    ckpts = sorted(Path(a.scratch).glob("checkpoint-*"), key=lambda q: int(q.name.split("-")[1]))
-    t_train = time.perf_counter()
-    train_out = trainer.train(resume_from_checkpoint=str(ckpts[-1]) if ckpts else None)
-    t_done = time.perf_counter()
+    args, trainer, timer, train_out, t_train, t_done = C.train_resumable(
+        model, tok, train_ds, collator, scratch=a.scratch, batch=a.batch_size, lr=a.lr, epochs=a.epochs,
+        max_steps=a.max_steps, total=total, seed=a.seed, group_by_length=a.group_by_length, threads=THREADS,
+        deadline=a.deadline)
     if trainer.state.global_step < total:
         say(f"stopped at step {trainer.state.global_step}/{total} before the deadline; run again to resume")
         return 3
 
-    n = len(timer.end)
-    w = min(a.warmup_steps_excluded, max(0, n - 1))
-    full = [timer.end[i] - trainer.fetch_start[i] for i in range(n)]
-    cb = [timer.end[i] - timer.begin[i] for i in range(n)]
-    seqs = [sum(s[0] for s in trainer.shapes[i]) for i in range(n)]
-    padded = [sum(s[0] * s[1] for s in trainer.shapes[i]) for i in range(n)]
-    steady = sum(seqs[w:])
     result = {
         "side": "transformers.Trainer", "padding": a.padding, "group_by_length": a.group_by_length,
         "precision": PRECISION, "seed": a.seed, "optim": str(getattr(args.optim, "value", args.optim)),
         "sampler": args.train_sampling_strategy, "attn_implementation": getattr(model.config, "_attn_implementation", None),
         "vocab_size": model.config.vocab_size, "num_layers": model.config.num_hidden_layers,
-        "hidden_size": model.config.hidden_size, "train_examples": len(train_ds), "warmup_steps": warm,
-        "total_steps": total, "steps": n, "warmup_steps_excluded": w, "threads": timer.threads,
-        "steady_sequences_per_sec": steady / sum(full[w:]) if n > w else None,
-        "callback_sequences_per_sec": steady / sum(cb[w:]) if n > w else None,
-        "padded_tokens_per_seq": sum(padded[w:]) / steady if n > w else None,
-        "real_tokens_per_seq": sum(trainer.real_tokens[w:n]) / steady if n > w else None,
-        "steady_step_time_s": float(np.median(full[w:])) if n > w else None,
-        "step_times": full, "callback_step_times": cb, "step_sequences": seqs, "step_padded_tokens": padded,
-        "step_real_tokens": trainer.real_tokens[:n], "startup_s": t_train - t_process, "train_s": t_done - t_train,
-        "train_loss": train_out.training_loss,
-        "final_loss": next((h["loss"] for h in reversed(trainer.state.log_history) if "loss" in h), None),
+        "hidden_size": model.config.hidden_size, "train_examples": len(train_ds),
+        "warmup_steps": C.warmup_steps(total), "total_steps": total,
+        **C.trainer_figures(trainer, timer, a.warmup_steps_excluded, train_out, t_process, t_train, t_done),
         "eval": {},
     }
     if a.do_eval:
@@ -247,19 +207,6 @@ def hpcbert_args(model: str, batch: int, lr: float, seed: int, *, max_steps: int
 # accuracy: one (side, seed) per call, in resumable segments
 # ----------------------------------------------------------------------------------------------
 
-def run_segment(cmd: list[str], log: Path, env: dict) -> tuple[int, dict]:
-    """Run `cmd` from the project root, appending to `log`; returns (exit status, noise)."""
-    log.parent.mkdir(parents=True, exist_ok=True)
-    b0, o0, t0 = C._cpu_busy_s(), C._own_cpu_s(), time.perf_counter()
-    with open(log, "a") as f:
-        f.write(f"$ {shlex.join(cmd)}\n")
-        f.flush()
-        rc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT).returncode
-    wall = time.perf_counter() - t0
-    other = max(0.0, (C._cpu_busy_s() - b0 - (C._own_cpu_s() - o0)) / wall)
-    return rc, {"other_cores_during": other, "wall_s": wall}
-
-
 def accuracy_segment(side: str, seed: int, work: Path, segment_s: float) -> dict | None:
     """One segment of the (side, seed) run: at most `segment_s` of training, then a checkpoint (hpcbert:
     HPCBERT_JOB_DEADLINE + --resume auto; Trainer: its checkpoint + resume_from_checkpoint), so every
@@ -287,7 +234,7 @@ def accuracy_segment(side: str, seed: int, work: Path, segment_s: float) -> dict
         cmd = hf_cmd(name, work, out_json, shape="mini", padding="dynamic", group_by_length=True, seed=seed,
                      batch=ACC_BATCH, lr=ACC_LR, do_eval=True) + ["--deadline", env["HPCBERT_JOB_DEADLINE"]]
     say(f"{name}: segment {len(progress['segments']) + 1} ({segment_s / 60:.0f} min of training at most)")
-    rc, noise = run_segment(cmd, work / "logs" / f"{name}.log", env)
+    rc, noise = C.run_segment(cmd, work / "logs" / f"{name}.log", env)
     if rc not in (0, 3):
         tail = (work / "logs" / f"{name}.log").read_text().splitlines()[-30:]
         sys.exit(f"compare_hf_chinese: {name} failed (exit {rc}):\n" + "\n".join(tail))
@@ -333,7 +280,7 @@ def cmd_accuracy(a) -> int:
                 unfinished += 1
                 say(f"{side} seed {seed}: not finished; run the same command again to continue")
                 continue
-            C.write_json(path, {**header("accuracy"), **rec})
+            C.write_json(path, {**C.header("accuracy", THREADS), **rec})
             say(f"{path.name}: accuracy {rec['accuracy']:.4f} ({rec['wall_s']:.0f} s in {rec['segments']} segment(s))")
     return 3 if unfinished else 0
 
@@ -352,11 +299,15 @@ def cmd_throughput(a) -> int:
                                            "precision": PRECISION, "seed": 42, "lr": 2e-5,
                                            "model": str(os.path.relpath(VOCAB, ROOT))}, "calls": [], "runs": []}
     s = doc["settings"]
+    if not doc["runs"]:  # the first run of the file sets what every later run must use
+        s["warmup_steps_excluded"] = a.warmup_excluded
+    if not any(r["pair"] == a.pair for r in doc["runs"]):  # and the first run of a pair, its steps
+        s["steps"][a.pair] = steps
     if (s["steps"][a.pair], s["warmup_steps_excluded"]) != (steps, a.warmup_excluded):
         sys.exit(f"compare_hf_chinese: {path} was measured with --steps {s['steps'][a.pair]} --warmup-excluded "
                  f"{s['warmup_steps_excluded']}; use those (or another --results-dir)")
     (hp_label, hp_extra), (hf_label, hf_how) = PAIRS[a.pair]
-    call = header("throughput")
+    call = C.header("throughput", THREADS)
     call.update(pair=a.pair, repeat=a.repeat)
     doc["calls"].append(call)
     # Alternate which side runs first from repeat to repeat, so slow drift hits both alike.
@@ -387,35 +338,14 @@ def cmd_throughput(a) -> int:
 
 def throughput_summary(doc: dict) -> list[dict]:
     """Per comparison: the per-repeat ratio hpcbert / Trainer of training sequences/s, and its median."""
-    by = {(r["pair"], r["side"], r["repeat"]): r for r in doc["runs"]}
-    combos = [("dynamic", "dynamic", "equal batches, each side at its best (headline)"),
-              ("max", "max", "equal batches, both padded to 128"),
-              ("dynamic", "max", "hpcbert defaults vs Trainer defaults")]
-    out = []
-    for hp_pair, hf_pair, what in combos:
-        reps = sorted(r for (p, side, r) in by if p == hp_pair and side == "hpcbert" and (hf_pair, "hf", r) in by)
-        if not reps:
-            continue
-        hp = [by[(hp_pair, "hpcbert", r)] for r in reps]
-        hf = [by[(hf_pair, "hf", r)] for r in reps]
-        ratios = [x["steady_sequences_per_sec"] / y["steady_sequences_per_sec"] for x, y in zip(hp, hf)]
-        out.append({"comparison": what, "hpcbert_label": hp[0]["label"], "hf_label": hf[0]["label"],
-                    "repeats": reps, "hpcbert_seq_s": [x["steady_sequences_per_sec"] for x in hp],
-                    "hf_seq_s": [y["steady_sequences_per_sec"] for y in hf], "ratios": ratios,
-                    "ratio_median": statistics.median(ratios),
-                    "hpcbert_padded_tokens_per_seq": statistics.mean(x["padded_tokens_per_seq"] for x in hp),
-                    "hf_padded_tokens_per_seq": statistics.mean(y["padded_tokens_per_seq"] for y in hf),
-                    "headline": hp_pair == hf_pair == "dynamic"})
-    return out
+    return C.pair_summary(doc, [("dynamic", "dynamic", "equal batches, each side at its best (headline)"),
+                                ("max", "max", "equal batches, both padded to 128"),
+                                ("dynamic", "max", "hpcbert defaults vs Trainer defaults")])
 
 
 # ----------------------------------------------------------------------------------------------
 # render
 # ----------------------------------------------------------------------------------------------
-
-def _fmt(xs, f="{:.2f}") -> str:
-    return ", ".join(f.format(x) for x in xs)
-
 
 def render_accuracy(runs: list[dict]) -> str:
     from hpcbert.report import markdown_grid, mean_std
@@ -430,8 +360,8 @@ def render_accuracy(runs: list[dict]) -> str:
         f1 = [100 * r["f1_macro"] for r in rs]
         (acc_m, acc_s), (f1_m, f1_s) = mean_std(acc), mean_std(f1)
         means[side] = acc_m
-        rows.append([label, ", ".join(str(r["seed"]) for r in rs), _fmt(acc), f"**{_pm(acc_m, acc_s)}**",
-                     f"{_pm(f1_m, f1_s)}", f"{statistics.mean(r['steps'] for r in rs):.0f}",
+        rows.append([label, ", ".join(str(r["seed"]) for r in rs), C._fmt_list(acc), f"**{C.mean_pm(acc_m, acc_s)}**",
+                     f"{C.mean_pm(f1_m, f1_s)}", f"{statistics.mean(r['steps'] for r in rs):.0f}",
                      f"{statistics.mean(r['wall_s'] for r in rs) / 60:.1f}"])
     lines = [markdown_grid(["side", "seeds", "dev accuracy % per seed", "accuracy mean ± std", "macro F1 mean ± std",
                             "optimizer steps", "wall min (mean)"], rows).rstrip("\n")]
@@ -448,7 +378,7 @@ def render_accuracy(runs: list[dict]) -> str:
         lines += ["", f"Did not learn: {names}: the training loss stayed at ln 2 = 0.6931, a constant prediction's "
                       f"loss on two balanced classes (a from-scratch post-LN BERT at this learning rate can fail to "
                       f"leave it; the run is kept in the table). Over the runs that learned: "
-                      + "; ".join(f"{'hpcbert' if side == 'hpcbert' else 'Trainer'} {_pm(*mean_std(a))} ({len(a)} "
+                      + "; ".join(f"{'hpcbert' if side == 'hpcbert' else 'Trainer'} {C.mean_pm(*mean_std(a))} ({len(a)} "
                                   f"seed(s))" for side, a in learned.items() if a) + "."]
     lines += ["", "Commands (one segment of at most 20 minutes of training each, repeated until the run is done, "
                   "under `/work/tools/shared nice -n 10`):", ""]
@@ -459,7 +389,6 @@ def render_accuracy(runs: list[dict]) -> str:
 
 
 def render_throughput(doc: dict) -> str:
-    from hpcbert.report import markdown_grid
     s = doc["settings"]
     lines = [f"Training sequences/s, the bert-base shape with random weights ({s['model']}: 12 layers, 768 wide, "
              f"21,128-entry vocabulary), batch {s['batch_size']}, max length {s['max_seq_length']}, {s['threads']} "
@@ -468,33 +397,13 @@ def render_throughput(doc: dict) -> str:
              f"mega-batch of 50 batches longest first, so a dynamic run covers a whole mega-batch), on both sides timed from the step's batch fetch to the end of its optimizer step "
              f"(compare_hf.py's span). Ratio = hpcbert / Trainer within a repeat (the two runs of a pair ran back "
              f"to back in one call), median over repeats.", ""]
-    rows = []
-    for c in throughput_summary(doc):
-        rows.append([c["comparison"], c["hpcbert_label"], c["hf_label"], _fmt(c["hpcbert_seq_s"], "{:.3f}"),
-                     _fmt(c["hf_seq_s"], "{:.3f}"),
-                     f"{c['hpcbert_padded_tokens_per_seq']:.1f} / {c['hf_padded_tokens_per_seq']:.1f}",
-                     _fmt(c["ratios"]) + "x", f"**{c['ratio_median']:.2f}x**"])
-    lines.append(markdown_grid(["comparison", "hpcbert", "Trainer", "hpcbert seq/s per repeat",
-                                "Trainer seq/s per repeat", "padded tokens/seq hpcbert / Trainer",
-                                "ratio per repeat", "ratio (median)"], rows).rstrip("\n"))
+    lines.append(C.render_pair_table(throughput_summary(doc), "{:.3f}"))
     head = next((c for c in throughput_summary(doc) if c["headline"]), None)
     if head:
         lines += ["", f"Headline (equal batches of {s['batch_size']}, each side's dynamic padding with length "
                       f"grouping): **{head['ratio_median']:.2f}x** the Trainer's training sequences/s."]
-    lines += ["", C.load_line(doc["runs"], s["threads"], doc["calls"][0]["machine"]["cores"]) if doc["calls"] else ""]
-    lines += ["", "Commands (each under `/work/tools/quiet`, which keeps tests and accuracy runs off the machine "
-                  "while it runs):", ""]
-    lines += [f"- `{c['command']}` ({c['date']})" for c in doc["calls"]]
-    lines += ["", "Every run, in the order it ran:", "", markdown_grid(
-        ["pair", "repeat", "side", "seq/s", "padded tokens/seq", "other-work cores during the run"],
-        [[r["pair"], str(r["repeat"]), r["label"], f"{r['steady_sequences_per_sec']:.3f}",
-          f"{r['padded_tokens_per_seq']:.1f}", f"{r['noise']['other_cores_during']:.2f}"] for r in doc["runs"]]).rstrip("\n")]
+    lines += C.render_pair_runs(doc)
     return "\n".join(lines)
-
-
-def _pm(mean: float, std: float) -> str:
-    """mean ± sample std; one seed has no std: the mean alone."""
-    return f"{mean:.2f}" if math.isnan(std) else f"{mean:.2f} ± {std:.2f}"
 
 
 def render_readme(results: Path) -> str:
@@ -533,13 +442,6 @@ def render_readme(results: Path) -> str:
     return "\n".join(out)
 
 
-def cmd_render(a) -> int:
-    text = render_readme(Path(a.results_dir))
-    (Path(a.results_dir) / "README.md").write_text(text)
-    print(text)
-    return 0
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "_hf-worker":  # hidden: one Trainer run in its own process
@@ -549,11 +451,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = p.add_subparsers(dest="command", required=True)
 
     def common(sp):
-        sp.add_argument("--results-dir", default=str(DEFAULT_RESULTS), help="(default: %(default)s)")
-        sp.add_argument("--work-dir", default=str(DEFAULT_WORK), help="run directories, logs, Trainer scratch "
-                        "(default: %(default)s)")
-        sp.add_argument("--hpcbert-rev", default=None, help="run the hpcbert of this git commit (git archive) "
-                        "instead of the working tree's BERT/")
+        C.add_dir_options(sp, DEFAULT_RESULTS, DEFAULT_WORK, "run directories, logs, Trainer scratch")
 
     sp = sub.add_parser("accuracy", help="dev accuracy of bert-mini from scratch; one (side, seed) per call")
     common(sp)
@@ -573,7 +471,7 @@ def main(argv: list[str] | None = None) -> int:
     sp.set_defaults(fn=cmd_throughput)
     sp = sub.add_parser("render", help="results/chinese/README.md from the JSON files")
     sp.add_argument("--results-dir", default=str(DEFAULT_RESULTS))
-    sp.set_defaults(fn=cmd_render)
+    sp.set_defaults(fn=lambda a: C.write_readme(a.results_dir, render_readme))
     a = p.parse_args(argv)
     C.use_hpcbert(getattr(a, "hpcbert_rev", None))
     if a.command != "render":

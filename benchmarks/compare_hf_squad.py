@@ -32,15 +32,13 @@ import collections
 import json
 import math
 import os
-import shlex
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import compare_hf as C  # noqa: E402  (shared helpers: subprocess runs, noise, machine info, JSON I/O)
+import compare_hf as C  # noqa: E402  (shared: runs, noise, machine info, JSON I/O, the Trainer, pair tables)
 
 ROOT = C.ROOT
 SQUAD_DEV = ROOT.parent / "shared" / "data" / "squad" / "v1.1" / "dev-v1.1.json"
@@ -49,8 +47,9 @@ DEFAULT_WORK = ROOT / "runs" / "compare_hf_squad"
 TRAIN_ARTICLES = 24
 MODEL = "minilm-l6"
 SEQ_LEN, STRIDE, QUERY_LEN = 384, 128, 64
-BATCH, EVAL_BATCH, THREADS = 16, 64, 2
-LR, WEIGHT_DECAY, WARMUP_RATIO, MAX_GRAD_NORM, ADAM_EPS = 5e-5, 0.01, 0.1, 1.0, 1e-8
+BATCH, THREADS, LR = 16, 2, 5e-5
+# the Trainer's settings shared with compare_hf.py (C.train_resumable uses them)
+EVAL_BATCH, WEIGHT_DECAY, WARMUP_RATIO, MAX_GRAD_NORM = C.EVAL_BATCH, C.WEIGHT_DECAY, C.WARMUP_RATIO, C.MAX_GRAD_NORM
 EPOCHS = 2.0
 N_BEST, MAX_ANSWER = 20, 30
 SEEDS = (1, 2, 3)
@@ -71,12 +70,6 @@ PAIRS = {
 
 def say(msg: str) -> None:
     print(f"[compare_hf_squad {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
-
-
-def header(kind: str) -> dict:
-    import datetime
-    return {"kind": kind, "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-            "command": C.command_line(), "machine": C.machine_info(THREADS)}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -110,7 +103,7 @@ def cmd_prepare(a) -> int:
     from hpcbert.zoo import minilm_dir
 
     train, dev = split_files(Path(a.work_dir))
-    doc = header("data")
+    doc = C.header("data", THREADS)
     tok = load_tokenizer(minilm_dir(), SEQ_LEN)
     doc["splits"] = {}
     for name, path in (("train", train), ("dev", dev)):
@@ -249,11 +242,9 @@ def hf_worker(argv: list[str]) -> int:
     a = p.parse_args(argv)
     t_process = time.perf_counter()
 
-    import numpy as np
     import torch
     import transformers
-    from transformers import (AutoModelForQuestionAnswering, DataCollatorWithPadding,
-                              TrainingArguments, default_data_collator)
+    from transformers import AutoModelForQuestionAnswering, DataCollatorWithPadding, default_data_collator
 
     from hpcbert.data.squad import read_squad
     from hpcbert.data.squad_metrics import evaluate_v1
@@ -272,55 +263,21 @@ def hf_worker(argv: list[str]) -> int:
     transformers.set_seed(a.seed)  # the new span head is drawn from this seed
     model = AutoModelForQuestionAnswering.from_pretrained(str(minilm_dir()))
     total = a.max_steps or math.ceil(a.epochs * math.ceil(len(train_ds) / BATCH))
-    warm = round(WARMUP_RATIO * total)  # hpcbert's rule, given to the Trainer as an integer
-    args = TrainingArguments(
-        output_dir=a.scratch, per_device_train_batch_size=BATCH, per_device_eval_batch_size=EVAL_BATCH,
-        learning_rate=LR, weight_decay=WEIGHT_DECAY, adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=ADAM_EPS,
-        max_grad_norm=MAX_GRAD_NORM, lr_scheduler_type="linear", warmup_steps=warm, num_train_epochs=a.epochs,
-        max_steps=a.max_steps if a.max_steps else -1, eval_strategy="no", save_strategy="no", report_to="none",
-        dataloader_num_workers=0, seed=a.seed, logging_strategy="steps", logging_steps=10, disable_tqdm=True,
-        optim="adamw_torch_fused", use_cpu=not torch.cuda.is_available(), save_total_limit=1,
-        # group_by_length=True in transformers < 5; the same LengthGroupedSampler here.
-        train_sampling_strategy="group_by_length" if a.group_by_length else "random",
-    )
-    torch.set_num_threads(a.threads)
-
-    StepTimer, TimedTrainer, Deadline = C.timed_trainer_classes()
-
-    timer = StepTimer()
-    trainer = TimedTrainer(model=model, args=args, train_dataset=train_ds, data_collator=collator,
-                           processing_class=tok, callbacks=[timer, Deadline(timer, a.deadline)])
-    ckpts = sorted(Path(a.scratch).glob("checkpoint-*"), key=lambda q: int(q.name.split("-")[1]))
-    t_train = time.perf_counter()
-    train_out = trainer.train(resume_from_checkpoint=str(ckpts[-1]) if ckpts else None)
-    t_done = time.perf_counter()
+    args, trainer, timer, train_out, t_train, t_done = C.train_resumable(
+        model, tok, train_ds, collator, scratch=a.scratch, batch=BATCH, lr=LR, epochs=a.epochs,
+        max_steps=a.max_steps, total=total, seed=a.seed, group_by_length=a.group_by_length, threads=a.threads,
+        deadline=a.deadline)
     if trainer.state.global_step < total:
         say(f"stopped at step {trainer.state.global_step}/{total} before the deadline; run again to resume")
         return 3
 
-    n = len(timer.end)
-    w = min(a.warmup_steps_excluded, max(0, n - 1))
-    full = [timer.end[i] - trainer.fetch_start[i] for i in range(n)]
-    cb = [timer.end[i] - timer.begin[i] for i in range(n)]
-    seqs = [sum(s[0] for s in trainer.shapes[i]) for i in range(n)]
-    padded = [sum(s[0] * s[1] for s in trainer.shapes[i]) for i in range(n)]
-    steady = sum(seqs[w:])
     result = {
         "side": "transformers.Trainer", "padding": a.padding, "group_by_length": a.group_by_length,
         "precision": PRECISION, "seed": a.seed, "optim": str(getattr(args.optim, "value", args.optim)),
         "sampler": args.train_sampling_strategy,
         "attn_implementation": getattr(model.config, "_attn_implementation", None),
-        "train_windows": len(train_ds), "warmup_steps": warm, "total_steps": total, "steps": n,
-        "warmup_steps_excluded": w, "threads": timer.threads,
-        "steady_sequences_per_sec": steady / sum(full[w:]) if n > w else None,
-        "callback_sequences_per_sec": steady / sum(cb[w:]) if n > w else None,
-        "padded_tokens_per_seq": sum(padded[w:]) / steady if n > w else None,
-        "real_tokens_per_seq": sum(trainer.real_tokens[w:n]) / steady if n > w else None,
-        "steady_step_time_s": float(np.median(full[w:])) if n > w else None,
-        "step_times": full, "callback_step_times": cb, "step_sequences": seqs, "step_padded_tokens": padded,
-        "step_real_tokens": trainer.real_tokens[:n], "startup_s": t_train - t_process, "train_s": t_done - t_train,
-        "train_loss": train_out.training_loss,
-        "final_loss": next((h["loss"] for h in reversed(trainer.state.log_history) if "loss" in h), None),
+        "train_windows": len(train_ds), "warmup_steps": C.warmup_steps(total), "total_steps": total,
+        **C.trainer_figures(trainer, timer, a.warmup_steps_excluded, train_out, t_process, t_train, t_done),
         "eval": {},
     }
     if a.do_eval:
@@ -378,19 +335,6 @@ def hpcbert_args(train: Path, dev: Path, seed: int, *, max_steps: int | None = N
 # accuracy: one (side, seed) per call, in resumable segments
 # ----------------------------------------------------------------------------------------------
 
-def run_segment(cmd: list[str], log: Path, env: dict) -> tuple[int, dict]:
-    """Run `cmd` from the project root, appending to `log`; returns (exit status, noise)."""
-    log.parent.mkdir(parents=True, exist_ok=True)
-    b0, o0, t0 = C._cpu_busy_s(), C._own_cpu_s(), time.perf_counter()
-    with open(log, "a") as f:
-        f.write(f"$ {shlex.join(cmd)}\n")
-        f.flush()
-        rc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT).returncode
-    wall = time.perf_counter() - t0
-    other = max(0.0, (C._cpu_busy_s() - b0 - (C._own_cpu_s() - o0)) / wall)
-    return rc, {"other_cores_during": other, "wall_s": wall, "waited_for_quiet_s": 0.0, "other_cores_before": None}
-
-
 def accuracy_segment(side: str, seed: int, work: Path, train: Path, dev: Path, segment_s: float) -> dict | None:
     """One segment of the (side, seed) accuracy run: at most `segment_s` of training, then a checkpoint
     (hpcbert: HPCBERT_JOB_DEADLINE + --resume auto; Trainer: its own checkpoint + resume_from_checkpoint),
@@ -420,7 +364,7 @@ def accuracy_segment(side: str, seed: int, work: Path, train: Path, dev: Path, s
                "--group-by-length", "--seed", str(seed), "--threads", str(THREADS), "--do-eval",
                "--deadline", env["HPCBERT_JOB_DEADLINE"]]
     say(f"{name}: segment {len(progress['segments']) + 1} ({segment_s / 60:.0f} min of training at most)")
-    rc, noise = run_segment(cmd, work / "logs" / f"{name}.log", env)
+    rc, noise = C.run_segment(cmd, work / "logs" / f"{name}.log", env)
     if rc not in (0, 3):
         tail = (work / "logs" / f"{name}.log").read_text().splitlines()[-30:]
         sys.exit(f"compare_hf_squad: {name} failed (exit {rc}):\n" + "\n".join(tail))
@@ -471,7 +415,7 @@ def cmd_accuracy(a) -> int:
                 unfinished += 1
                 say(f"{side} seed {seed}: not finished; run the same command again to continue")
                 continue
-            C.write_json(path, {**header("accuracy"), **rec})
+            C.write_json(path, {**C.header("accuracy", THREADS), **rec})
             say(f"{path.name}: EM {rec['exact_match']:.2f}, F1 {rec['f1']:.2f} ({rec['wall_s']:.0f} s in "
                 f"{rec['segments']} segment(s))")
     return 3 if unfinished else 0
@@ -494,7 +438,7 @@ def cmd_throughput(a) -> int:
         sys.exit(f"compare_hf_squad: {path} was measured with --steps {s['steps']} --warmup-excluded "
                  f"{s['warmup_steps_excluded']}; use those (or another --results-dir)")
     (hp_label, hp_extra), (hf_label, hf_how) = PAIRS[a.pair]
-    call = header("throughput")
+    call = C.header("throughput", THREADS)
     call.update(pair=a.pair, repeat=a.repeat)
     doc["calls"].append(call)
     # Alternate which side runs first from repeat to repeat, so slow drift hits both alike.
@@ -522,36 +466,14 @@ def cmd_throughput(a) -> int:
 def throughput_summary(doc: dict) -> list[dict]:
     """Per pair (and hpcbert defaults vs Trainer defaults across pairs): the per-repeat ratio of
     training sequences/s, and its median."""
-    runs = doc["runs"]
-    by = {(r["pair"], r["side"], r["repeat"]): r for r in runs}
-    combos = [("dynamic", "dynamic", "equal batches, each side's best (headline)"),
-              ("max", "max", "equal batches, padded to 384"),
-              ("dynamic", "max", "hpcbert defaults vs Trainer defaults")]
-    out = []
-    for hp_pair, hf_pair, what in combos:
-        reps = sorted(r for (p, side, r) in by if p == hp_pair and side == "hpcbert" and (hf_pair, "hf", r) in by)
-        if not reps:
-            continue
-        hp = [by[(hp_pair, "hpcbert", r)] for r in reps]
-        hf = [by[(hf_pair, "hf", r)] for r in reps]
-        ratios = [x["steady_sequences_per_sec"] / y["steady_sequences_per_sec"] for x, y in zip(hp, hf)]
-        out.append({"comparison": what, "hpcbert_label": hp[0]["label"], "hf_label": hf[0]["label"],
-                    "repeats": reps, "hpcbert_seq_s": [x["steady_sequences_per_sec"] for x in hp],
-                    "hf_seq_s": [y["steady_sequences_per_sec"] for y in hf], "ratios": ratios,
-                    "ratio_median": statistics.median(ratios),
-                    "hpcbert_padded_tokens_per_seq": statistics.mean(x["padded_tokens_per_seq"] for x in hp),
-                    "hf_padded_tokens_per_seq": statistics.mean(y["padded_tokens_per_seq"] for y in hf),
-                    "headline": hp_pair == hf_pair == "dynamic"})
-    return out
+    return C.pair_summary(doc, [("dynamic", "dynamic", "equal batches, each side's best (headline)"),
+                                ("max", "max", "equal batches, padded to 384"),
+                                ("dynamic", "max", "hpcbert defaults vs Trainer defaults")])
 
 
 # ----------------------------------------------------------------------------------------------
 # render
 # ----------------------------------------------------------------------------------------------
-
-def _fmt(xs, f="{:.2f}") -> str:
-    return ", ".join(f.format(x) for x in xs)
-
 
 def render_data(doc: dict) -> str:
     from hpcbert.report import markdown_grid
@@ -585,8 +507,8 @@ def render_accuracy(runs: list[dict]) -> str:
         em_m, em_s = mean_std([r["exact_match"] for r in rs])
         f1_m, f1_s = mean_std([r["f1"] for r in rs])
         stats[side] = f1_m
-        rows.append([label, ", ".join(str(r["seed"]) for r in rs), _fmt([r["exact_match"] for r in rs]),
-                     _fmt([r["f1"] for r in rs]), f"{_pm(em_m, em_s)}", f"**{_pm(f1_m, f1_s)}**",
+        rows.append([label, ", ".join(str(r["seed"]) for r in rs), C._fmt_list([r["exact_match"] for r in rs]),
+                     C._fmt_list([r["f1"] for r in rs]), f"{C.mean_pm(em_m, em_s)}", f"**{C.mean_pm(f1_m, f1_s)}**",
                      f"{statistics.mean(r['steps'] for r in rs):.0f}",
                      f"{statistics.mean(r['wall_s'] for r in rs) / 60:.1f}"])
     lines = [markdown_grid(["side", "seeds", "exact match per seed", "F1 per seed", "EM mean ± std",
@@ -612,42 +534,20 @@ def render_accuracy(runs: list[dict]) -> str:
 
 
 def render_throughput(doc: dict) -> str:
-    from hpcbert.report import markdown_grid
     s = doc["settings"]
     lines = [f"Training sequences/s (windows/s), {MODEL}, batch {s['batch_size']}, max length {s['max_seq_length']}, "
              f"{s['threads']} threads, {s['precision']}; {s['steps']} steps per run, the first "
              f"{s['warmup_steps_excluded']} excluded, on both sides timed from the step's batch fetch to the end "
              f"of its optimizer step (compare_hf.py's span). Ratio = hpcbert / Trainer within a repeat (the two "
              f"runs of a pair ran back to back in one call), median over repeats.", ""]
-    rows = []
-    for c in throughput_summary(doc):
-        rows.append([c["comparison"], c["hpcbert_label"], c["hf_label"], _fmt(c["hpcbert_seq_s"]),
-                     _fmt(c["hf_seq_s"]),
-                     f"{c['hpcbert_padded_tokens_per_seq']:.1f} / {c['hf_padded_tokens_per_seq']:.1f}",
-                     _fmt(c["ratios"]) + "x", f"**{c['ratio_median']:.2f}x**"])
-    lines.append(markdown_grid(["comparison", "hpcbert", "Trainer", "hpcbert seq/s per repeat",
-                                "Trainer seq/s per repeat", "padded tokens/seq hpcbert / Trainer",
-                                "ratio per repeat", "ratio (median)"], rows).rstrip("\n"))
+    lines.append(C.render_pair_table(throughput_summary(doc), "{:.2f}"))
     head = next((c for c in throughput_summary(doc) if c["headline"]), None)
     if head:
         lines += ["", f"Headline (equal batches of {s['batch_size']}, each side's dynamic padding with length "
                       f"grouping): **{head['ratio_median']:.2f}x** (target ≥ {SPEED_TARGET}x): "
                       f"**{'MET' if head['ratio_median'] >= SPEED_TARGET else 'NOT MET'}**."]
-    lines += ["", C.load_line(doc["runs"], s["threads"], doc["calls"][0]["machine"]["cores"]) if doc["calls"] else ""]
-    lines += ["", "Commands (each under `/work/tools/quiet`, which keeps tests and accuracy runs off the machine "
-                  "while it runs):", ""]
-    lines += [f"- `{c['command']}` ({c['date']})" for c in doc["calls"]]
-    lines += ["", "Every run, in the order it ran:", "", markdown_grid(
-        ["pair", "repeat", "side", "seq/s", "padded tokens/seq", "other-work cores during the run"],
-        [[r["pair"], str(r["repeat"]), r["label"], f"{r['steady_sequences_per_sec']:.3f}",
-          f"{r['padded_tokens_per_seq']:.1f}", f"{r['noise']['other_cores_during']:.2f}"]
-         for r in doc["runs"]]).rstrip("\n")]
+    lines += C.render_pair_runs(doc)
     return "\n".join(lines)
-
-
-def _pm(mean: float, std: float) -> str:
-    """mean ± sample std; one seed has no std: the mean alone."""
-    return f"{mean:.2f}" if math.isnan(std) else f"{mean:.2f} ± {std:.2f}"
 
 
 def render_readme(results: Path) -> str:
@@ -700,13 +600,6 @@ def render_readme(results: Path) -> str:
     return "\n".join(out)
 
 
-def cmd_render(a) -> int:
-    text = render_readme(Path(a.results_dir))
-    (Path(a.results_dir) / "README.md").write_text(text)
-    print(text)
-    return 0
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "_hf-worker":  # hidden: one Trainer run in its own process
@@ -716,11 +609,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = p.add_subparsers(dest="command", required=True)
 
     def common(sp):
-        sp.add_argument("--results-dir", default=str(DEFAULT_RESULTS), help="(default: %(default)s)")
-        sp.add_argument("--work-dir", default=str(DEFAULT_WORK), help="split files, run directories, logs "
-                        "(default: %(default)s)")
-        sp.add_argument("--hpcbert-rev", default=None, help="run the hpcbert of this git commit (git archive) "
-                        "instead of the working tree's BERT/")
+        C.add_dir_options(sp, DEFAULT_RESULTS, DEFAULT_WORK, "split files, run directories, logs")
 
     sp = sub.add_parser("prepare", help="write the by-article split and count its windows (data.json)")
     common(sp)
@@ -742,7 +631,7 @@ def main(argv: list[str] | None = None) -> int:
     sp.set_defaults(fn=cmd_throughput)
     sp = sub.add_parser("render", help="results/squad/README.md from the JSON files")
     sp.add_argument("--results-dir", default=str(DEFAULT_RESULTS))
-    sp.set_defaults(fn=cmd_render)
+    sp.set_defaults(fn=lambda a: C.write_readme(a.results_dir, render_readme))
     a = p.parse_args(argv)
     C.use_hpcbert(getattr(a, "hpcbert_rev", None))
     return a.fn(a)
