@@ -919,6 +919,70 @@ def run_segment(cmd: list[str], log: Path, env: dict) -> tuple[int, dict]:
     return rc, {"other_cores_during": other, "wall_s": wall}
 
 
+def add_accuracy_options(sp, seeds: tuple[int, ...]) -> None:
+    sp.add_argument("--side", choices=("hpcbert", "hf"), default=None, help="default: both")
+    sp.add_argument("--seed", type=int, default=None, help=f"default: {', '.join(map(str, seeds))}")
+    sp.add_argument("--segment-minutes", type=float, default=20,
+                    help="training per call; the run checkpoints and the next call resumes (exit 3 until done; "
+                         "default: %(default)s)")
+
+
+def accuracy_calls(a, seeds: tuple[int, ...], threads: int, segment, describe, say) -> int:
+    """`accuracy` of compare_hf_squad.py and compare_hf_chinese.py: `segment(side, seed)` (the finished
+    run's record, or None) once for each requested (side, seed) run whose results/accuracy/SIDE-seedN.json
+    is not written yet; exit 3 while one is unfinished. `describe(record)`: its figures, for the log."""
+    sides = [a.side] if a.side else ["hpcbert", "hf"]
+    unfinished = 0
+    for seed in [a.seed] if a.seed is not None else list(seeds):
+        for side in sides:
+            path = Path(a.results_dir) / "accuracy" / f"{side}-seed{seed}.json"
+            if path.is_file():
+                say(f"{path.name}: already done, skipped")
+                continue
+            rec = segment(side, seed)
+            if rec is None:
+                unfinished += 1
+                say(f"{side} seed {seed}: not finished; run the same command again to continue")
+                continue
+            write_json(path, {**header("accuracy", threads), **rec})
+            say(f"{path.name}: {describe(rec)} ({rec['wall_s']:.0f} s in {rec['segments']} segment(s))")
+    return 3 if unfinished else 0
+
+
+def accuracy_segment_run(name: str, side: str, work: Path, segment_s: float, threads: int, build_cmd,
+                         say) -> tuple[int, list[dict], Path]:
+    """One segment of the resumable accuracy run `name` (its `side`: "hpcbert" or "hf"): at most
+    `segment_s` of training, then a checkpoint (hpcbert: HPCBERT_JOB_DEADLINE and --resume auto in
+    work/hpcbert/NAME; the Trainer: its own checkpoint in work/hf-scratch/NAME and
+    resume_from_checkpoint), so each call stays short and timed measurements get the machine between
+    calls. `build_cmd(folder, deadline)` gives the command; a folder without a checkpoint starts
+    afresh. Returns (exit status: 0 finished or 3 not yet, every segment's noise so far from
+    work/progress/NAME.json, the folder); any other exit stops with the log's tail."""
+    progress_path = work / "progress" / f"{name}.json"
+    progress = read_json(progress_path) if progress_path.is_file() else {"segments": []}
+    env = child_env(threads)
+    env["HPCBERT_JOB_DEADLINE"] = str(time.time() + segment_s)
+    if side == "hpcbert":
+        folder = work / "hpcbert" / name
+        started = (folder / "checkpoints").is_dir()
+    else:
+        folder = work / "hf-scratch" / name
+        started = folder.is_dir() and any(folder.glob("checkpoint-*"))
+    if not started:
+        fresh_dir(folder)
+        progress = {"segments": []}
+    cmd = build_cmd(folder, env["HPCBERT_JOB_DEADLINE"])
+    say(f"{name}: segment {len(progress['segments']) + 1} ({segment_s / 60:.0f} min of training at most)")
+    log = work / "logs" / f"{name}.log"
+    rc, noise = run_segment(cmd, log, env)
+    if rc not in (0, 3):
+        tail = log.read_text().splitlines()[-30:]
+        sys.exit(f"{Path(sys.argv[0]).name}: {name} failed (exit {rc}):\n" + "\n".join(tail))
+    progress["segments"].append(noise)
+    write_json(progress_path, progress)
+    return rc, progress["segments"], folder
+
+
 def pair_summary(doc: dict, combos: list[tuple[str, str, str]]) -> list[dict]:
     """Per comparison (hpcbert's pair, the Trainer's pair, what it compares): the per-repeat ratio
     hpcbert / Trainer of training sequences/s, and its median; "dynamic" against "dynamic" is the headline."""

@@ -208,41 +208,23 @@ def hpcbert_args(model: str, batch: int, lr: float, seed: int, *, max_steps: int
 # ----------------------------------------------------------------------------------------------
 
 def accuracy_segment(side: str, seed: int, work: Path, segment_s: float) -> dict | None:
-    """One segment of the (side, seed) run: at most `segment_s` of training, then a checkpoint (hpcbert:
-    HPCBERT_JOB_DEADLINE + --resume auto; Trainer: its checkpoint + resume_from_checkpoint), so every
-    call stays short and timed measurements get the machine between calls. The finished run's figures,
-    or None while it is not finished."""
+    """One segment of the (side, seed) run (C.accuracy_segment_run: at most `segment_s` of training, then
+    a checkpoint); the finished run's figures, or None while it is not finished."""
     name = f"acc-{side}-seed{seed}"
-    progress_path = work / "progress" / f"{name}.json"
-    progress = C.read_json(progress_path) if progress_path.is_file() else {"segments": []}
-    env = C.child_env(THREADS)
-    env["HPCBERT_JOB_DEADLINE"] = str(time.time() + segment_s)
-    if side == "hpcbert":
-        out = work / "hpcbert" / name
-        if not (out / "checkpoints").is_dir():
-            C.fresh_dir(out)
-            progress = {"segments": []}
-        args = hpcbert_args(ACC_MODEL, ACC_BATCH, ACC_LR, seed, do_eval=True)
-        cmd = [sys.executable, "-m", "hpcbert.cli", "train", *args, "--threads", str(THREADS), "--out", str(out),
-               "--resume", "auto", "--log-every", "50"]
-    else:
-        scratch = work / "hf-scratch" / name
-        out_json = work / "hf-json" / f"{name}.json"
-        if not scratch.is_dir() or not any(scratch.glob("checkpoint-*")):
-            C.fresh_dir(scratch)
-            progress = {"segments": []}
-        cmd = hf_cmd(name, work, out_json, shape="mini", padding="dynamic", group_by_length=True, seed=seed,
-                     batch=ACC_BATCH, lr=ACC_LR, do_eval=True) + ["--deadline", env["HPCBERT_JOB_DEADLINE"]]
-    say(f"{name}: segment {len(progress['segments']) + 1} ({segment_s / 60:.0f} min of training at most)")
-    rc, noise = C.run_segment(cmd, work / "logs" / f"{name}.log", env)
-    if rc not in (0, 3):
-        tail = (work / "logs" / f"{name}.log").read_text().splitlines()[-30:]
-        sys.exit(f"compare_hf_chinese: {name} failed (exit {rc}):\n" + "\n".join(tail))
-    progress["segments"].append(noise)
-    C.write_json(progress_path, progress)
-    wall = sum(x["wall_s"] for x in progress["segments"])
-    busy = sum(x["other_cores_during"] * x["wall_s"] for x in progress["segments"]) / wall
-    base = {"side": side, "seed": seed, "segments": len(progress["segments"]), "wall_s": wall,
+    out_json = work / "hf-json" / f"{name}.json"
+    args = hpcbert_args(ACC_MODEL, ACC_BATCH, ACC_LR, seed, do_eval=True)
+
+    def build_cmd(folder: Path, deadline: str) -> list[str]:
+        if side == "hpcbert":
+            return [sys.executable, "-m", "hpcbert.cli", "train", *args, "--threads", str(THREADS), "--out",
+                    str(folder), "--resume", "auto", "--log-every", "50"]
+        return hf_cmd(name, work, out_json, shape="mini", padding="dynamic", group_by_length=True, seed=seed,
+                      batch=ACC_BATCH, lr=ACC_LR, do_eval=True) + ["--deadline", deadline]
+
+    rc, segments, out = C.accuracy_segment_run(name, side, work, segment_s, THREADS, build_cmd, say)
+    wall = sum(x["wall_s"] for x in segments)
+    busy = sum(x["other_cores_during"] * x["wall_s"] for x in segments) / wall
+    base = {"side": side, "seed": seed, "segments": len(segments), "wall_s": wall,
             "other_cores_during": busy}
     if side == "hpcbert":
         from hpcbert.runfiles import read_summary
@@ -264,25 +246,10 @@ def accuracy_segment(side: str, seed: int, work: Path, segment_s: float) -> dict
 
 
 def cmd_accuracy(a) -> int:
-    """One segment of each requested (side, seed) run not yet done; exit 3 while one is unfinished."""
-    results, work = Path(a.results_dir), Path(a.work_dir)
-    sides = [a.side] if a.side else ["hpcbert", "hf"]
-    seeds = [a.seed] if a.seed is not None else list(SEEDS)
-    unfinished = 0
-    for seed in seeds:
-        for side in sides:
-            path = results / "accuracy" / f"{side}-seed{seed}.json"
-            if path.is_file():
-                say(f"{path.name}: already done, skipped")
-                continue
-            rec = accuracy_segment(side, seed, work, a.segment_minutes * 60)
-            if rec is None:
-                unfinished += 1
-                say(f"{side} seed {seed}: not finished; run the same command again to continue")
-                continue
-            C.write_json(path, {**C.header("accuracy", THREADS), **rec})
-            say(f"{path.name}: accuracy {rec['accuracy']:.4f} ({rec['wall_s']:.0f} s in {rec['segments']} segment(s))")
-    return 3 if unfinished else 0
+    work = Path(a.work_dir)
+    return C.accuracy_calls(
+        a, SEEDS, THREADS, lambda side, seed: accuracy_segment(side, seed, work, a.segment_minutes * 60),
+        lambda r: f"accuracy {r['accuracy']:.4f}", say)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -455,11 +422,7 @@ def main(argv: list[str] | None = None) -> int:
 
     sp = sub.add_parser("accuracy", help="dev accuracy of bert-mini from scratch; one (side, seed) per call")
     common(sp)
-    sp.add_argument("--side", choices=("hpcbert", "hf"), default=None, help="default: both")
-    sp.add_argument("--seed", type=int, default=None, help=f"default: {', '.join(map(str, SEEDS))}")
-    sp.add_argument("--segment-minutes", type=float, default=20,
-                    help="training per call; the run checkpoints and the next call resumes (exit 3 until done; "
-                         "default: %(default)s)")
+    C.add_accuracy_options(sp, SEEDS)
     sp.set_defaults(fn=cmd_accuracy)
     sp = sub.add_parser("throughput", help="one repeat of one interleaved pair (hpcbert, Trainer), bert-base shape")
     common(sp)

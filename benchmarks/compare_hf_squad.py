@@ -336,45 +336,27 @@ def hpcbert_args(train: Path, dev: Path, seed: int, *, max_steps: int | None = N
 # ----------------------------------------------------------------------------------------------
 
 def accuracy_segment(side: str, seed: int, work: Path, train: Path, dev: Path, segment_s: float) -> dict | None:
-    """One segment of the (side, seed) accuracy run: at most `segment_s` of training, then a checkpoint
-    (hpcbert: HPCBERT_JOB_DEADLINE + --resume auto; Trainer: its own checkpoint + resume_from_checkpoint),
-    so each call stays short and timed measurements get the machine between calls. The finished run's
-    figures, or None while it is not finished. Segments' wall times add up in work/progress/."""
+    """One segment of the (side, seed) accuracy run (C.accuracy_segment_run: at most `segment_s` of
+    training, then a checkpoint); the finished run's figures, or None while it is not finished."""
     name = f"acc-{side}-seed{seed}"
-    progress_path = work / "progress" / f"{name}.json"
-    progress = C.read_json(progress_path) if progress_path.is_file() else {"segments": []}
-    env = C.child_env(THREADS)
-    env["HPCBERT_JOB_DEADLINE"] = str(time.time() + segment_s)
-    if side == "hpcbert":
-        out = work / "hpcbert" / name
-        if not (out / "checkpoints").is_dir():
-            C.fresh_dir(out)
-            progress = {"segments": []}
-        args = hpcbert_args(train, dev, seed, do_eval=True)
-        cmd = [sys.executable, "-m", "hpcbert.cli", "train", *args, "--threads", str(THREADS), "--out", str(out),
-               "--resume", "auto"]
-    else:
-        scratch = work / "hf-scratch" / name
-        out_json = work / "hf-json" / f"{name}.json"
-        if not scratch.is_dir() or not any(scratch.glob("checkpoint-*")):
-            C.fresh_dir(scratch)
-            progress = {"segments": []}
-        cmd = [sys.executable, str(Path(__file__).resolve()), "_hf-worker", "--train-file", str(train),
-               "--dev-file", str(dev), "--out", str(out_json), "--scratch", str(scratch), "--padding", "dynamic",
-               "--group-by-length", "--seed", str(seed), "--threads", str(THREADS), "--do-eval",
-               "--deadline", env["HPCBERT_JOB_DEADLINE"]]
-    say(f"{name}: segment {len(progress['segments']) + 1} ({segment_s / 60:.0f} min of training at most)")
-    rc, noise = C.run_segment(cmd, work / "logs" / f"{name}.log", env)
-    if rc not in (0, 3):
-        tail = (work / "logs" / f"{name}.log").read_text().splitlines()[-30:]
-        sys.exit(f"compare_hf_squad: {name} failed (exit {rc}):\n" + "\n".join(tail))
-    progress["segments"].append(noise)
-    C.write_json(progress_path, progress)
-    wall = sum(x["wall_s"] for x in progress["segments"])
-    known = [x for x in progress["segments"] if x["other_cores_during"] is not None]
+    out_json = work / "hf-json" / f"{name}.json"
+    args = hpcbert_args(train, dev, seed, do_eval=True)
+
+    def build_cmd(folder: Path, deadline: str) -> list[str]:
+        if side == "hpcbert":
+            return [sys.executable, "-m", "hpcbert.cli", "train", *args, "--threads", str(THREADS), "--out",
+                    str(folder), "--resume", "auto"]
+        return [sys.executable, str(Path(__file__).resolve()), "_hf-worker", "--train-file", str(train),
+                "--dev-file", str(dev), "--out", str(out_json), "--scratch", str(folder), "--padding", "dynamic",
+                "--group-by-length", "--seed", str(seed), "--threads", str(THREADS), "--do-eval",
+                "--deadline", deadline]
+
+    rc, segments, out = C.accuracy_segment_run(name, side, work, segment_s, THREADS, build_cmd, say)
+    wall = sum(x["wall_s"] for x in segments)
+    known = [x for x in segments if x["other_cores_during"] is not None]
     busy = sum(x["other_cores_during"] * x["wall_s"] for x in known) / sum(x["wall_s"] for x in known)
     noise_all = {"other_cores_during": busy, "wall_s": wall, "waited_for_quiet_s": 0.0, "other_cores_before": None}
-    base = {"side": side, "seed": seed, "segments": len(progress["segments"]), "wall_s": wall, "noise": noise_all}
+    base = {"side": side, "seed": seed, "segments": len(segments), "wall_s": wall, "noise": noise_all}
     if side == "hpcbert":
         from hpcbert.runfiles import read_summary
         s = read_summary(out)
@@ -394,31 +376,15 @@ def accuracy_segment(side: str, seed: int, work: Path, train: Path, dev: Path, s
     return {**base, "exact_match": ev["exact_match"], "f1": ev["f1"], "final_loss": r["final_loss"],
             "steps": r["total_steps"], "train_windows": r["train_windows"], "optim": r["optim"],
             "sampler": r["sampler"], "padding": r["padding"], "warmup_steps": r["warmup_steps"],
-            "predictions": os.path.relpath(scratch / "predictions.json", ROOT)}
+            "predictions": os.path.relpath(out / "predictions.json", ROOT)}
 
 
 def cmd_accuracy(a) -> int:
-    """One segment of each requested (side, seed) run not yet done; exit 3 while one is unfinished."""
-    results, work = Path(a.results_dir), Path(a.work_dir)
+    work = Path(a.work_dir)
     train, dev = split_files(work)
-    sides = [a.side] if a.side else ["hpcbert", "hf"]
-    seeds = [a.seed] if a.seed is not None else list(SEEDS)
-    unfinished = 0
-    for seed in seeds:
-        for side in sides:
-            path = results / "accuracy" / f"{side}-seed{seed}.json"
-            if path.is_file():
-                say(f"{path.name}: already done, skipped")
-                continue
-            rec = accuracy_segment(side, seed, work, train, dev, a.segment_minutes * 60)
-            if rec is None:
-                unfinished += 1
-                say(f"{side} seed {seed}: not finished; run the same command again to continue")
-                continue
-            C.write_json(path, {**C.header("accuracy", THREADS), **rec})
-            say(f"{path.name}: EM {rec['exact_match']:.2f}, F1 {rec['f1']:.2f} ({rec['wall_s']:.0f} s in "
-                f"{rec['segments']} segment(s))")
-    return 3 if unfinished else 0
+    return C.accuracy_calls(
+        a, SEEDS, THREADS, lambda side, seed: accuracy_segment(side, seed, work, train, dev, a.segment_minutes * 60),
+        lambda r: f"EM {r['exact_match']:.2f}, F1 {r['f1']:.2f}", say)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -616,11 +582,7 @@ def main(argv: list[str] | None = None) -> int:
     sp.set_defaults(fn=cmd_prepare)
     sp = sub.add_parser("accuracy", help="EM/F1 after 2 epochs; one (side, seed) per call, done ones skipped")
     common(sp)
-    sp.add_argument("--side", choices=("hpcbert", "hf"), default=None, help="default: both")
-    sp.add_argument("--seed", type=int, default=None, help=f"default: {', '.join(map(str, SEEDS))}")
-    sp.add_argument("--segment-minutes", type=float, default=20,
-                    help="training per call; the run checkpoints and the next call resumes (exit 3 until done; "
-                         "default: %(default)s)")
+    C.add_accuracy_options(sp, SEEDS)
     sp.set_defaults(fn=cmd_accuracy)
     sp = sub.add_parser("throughput", help="one repeat of one interleaved pair (hpcbert, Trainer)")
     common(sp)
