@@ -296,8 +296,9 @@ def hf_worker(argv: list[str]) -> int:
     return 0
 
 
-def hf_run(name: str, work: Path, train: Path, dev: Path, out_json: Path, *, padding: str, group_by_length: bool,
-           seed: int, max_steps: int | None = None, do_eval: bool = False, warmup_excluded: int = 5) -> dict:
+def hf_cmd(name: str, work: Path, train: Path, dev: Path, out_json: Path, *, padding: str, group_by_length: bool,
+           seed: int, max_steps: int | None = None, do_eval: bool = False, warmup_excluded: int = 5) -> list[str]:
+    """The `_hf-worker` command of one Trainer run (its checkpoints in work/hf-scratch/NAME)."""
     cmd = [sys.executable, str(Path(__file__).resolve()), "_hf-worker", "--train-file", str(train), "--dev-file",
            str(dev), "--out", str(out_json), "--scratch", str(work / "hf-scratch" / name), "--padding", padding,
            "--seed", str(seed), "--threads", str(THREADS), "--warmup-steps-excluded", str(warmup_excluded)]
@@ -307,6 +308,13 @@ def hf_run(name: str, work: Path, train: Path, dev: Path, out_json: Path, *, pad
         cmd += ["--max-steps", str(max_steps)]
     if do_eval:
         cmd.append("--do-eval")
+    return cmd
+
+
+def hf_run(name: str, work: Path, train: Path, dev: Path, out_json: Path, *, padding: str, group_by_length: bool,
+           seed: int, max_steps: int | None = None, warmup_excluded: int = 5) -> dict:
+    cmd = hf_cmd(name, work, train, dev, out_json, padding=padding, group_by_length=group_by_length, seed=seed,
+                 max_steps=max_steps, warmup_excluded=warmup_excluded)
     say(f"trainer {name}: padding={padding} group_by_length={group_by_length} seed={seed}")
     noise = C.run_logged(cmd, work / "logs" / f"hf-{name}.log", THREADS)
     r = C.read_json(out_json)
@@ -346,10 +354,8 @@ def accuracy_segment(side: str, seed: int, work: Path, train: Path, dev: Path, s
         if side == "hpcbert":
             return [sys.executable, "-m", "hpcbert.cli", "train", *args, "--threads", str(THREADS), "--out",
                     str(folder), "--resume", "auto"]
-        return [sys.executable, str(Path(__file__).resolve()), "_hf-worker", "--train-file", str(train),
-                "--dev-file", str(dev), "--out", str(out_json), "--scratch", str(folder), "--padding", "dynamic",
-                "--group-by-length", "--seed", str(seed), "--threads", str(THREADS), "--do-eval",
-                "--deadline", deadline]
+        return hf_cmd(name, work, train, dev, out_json, padding="dynamic", group_by_length=True, seed=seed,
+                      do_eval=True) + ["--deadline", deadline]
 
     rc, segments, out = C.accuracy_segment_run(name, side, work, segment_s, THREADS, build_cmd, say)
     wall = sum(x["wall_s"] for x in segments)
