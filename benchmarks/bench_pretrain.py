@@ -19,8 +19,8 @@ vocabulary logits), what a user of transformers would write. Same shape (random 
 AdamW fused (betas 0.9/0.999, eps 1e-8, weight decay 0.01 without biases and LayerNorm weights), LR
 1e-3 with round(0.1 x steps) linear warm-up then linear decay, gradient clipping 1.0, fp32 (this
 CPU has no native bf16: bf16 autocast is emulated here, ~100x slower), 2 threads. Every run is its
-own subprocess. Each throughput repeat runs hpcbert then the Trainer back to back (one call, under
-/work/tools/quiet), and the ratio is taken within the repeat.
+own subprocess. Each throughput repeat runs hpcbert then the Trainer back to back (one call, with no
+other jobs on the machine), and the ratio is taken within the repeat.
 """
 
 from __future__ import annotations
@@ -534,8 +534,8 @@ def render_readme(results: Path) -> str:
                   "transformers' Trainer with BertForMaskedLM (full-vocabulary logits) and "
                   "DataCollatorForLanguageModeling. Tokens are real (non-pad) tokens; steady figures leave out "
                   f"the first {TIMING_WARMUP} steps on both sides, and a step is timed from its batch fetch to the "
-                  "end of the optimizer step on both. Each repeat runs hpcbert then the Trainer back to back under "
-                  "/work/tools/quiet; the ratio is taken within the repeat.", "",
+                  "end of the optimizer step on both. Each repeat runs hpcbert then the Trainer back to back, with "
+                  "no tests or accuracy runs on the machine; the ratio is taken within the repeat.", "",
                   "| model | repeat | hpcbert tokens/s | Trainer tokens/s | ratio | hpcbert step s | Trainer step s | "
                   "real tokens/seq (hpcbert, Trainer) | Trainer padded tokens/seq | "
                   "other work (cores, hpcbert / Trainer) | date, commit |",
@@ -550,7 +550,7 @@ def render_readme(results: Path) -> str:
                              f"{t['padded_tokens_per_sec'] / t['steady_sequences_per_sec']:.1f} | "
                              f"{h['other_cores_during']:.2f} / {t['other_cores_during']:.2f} | "
                              f"{r['date']}, {r['machine']['git_commit']} |")
-                cmds.append(f"/work/tools/quiet {r['command']}")
+                cmds.append(r["command"])
             ratios = [r["ratio"] for r in reps]
             parts.append(f"| {model} | mean | | | **{_mean_sd(ratios)}x** | | | | | | |")
         parts += ["", "Commands:", "", "```", *dict.fromkeys(cmds), "```", ""]
@@ -573,14 +573,14 @@ def render_readme(results: Path) -> str:
                              f"{t['eval']['mlm_loss']:.3f} | {h['eval']['mlm_accuracy']:.3f} | "
                              f"{t['eval']['mlm_accuracy']:.3f} | {statistics.fmean(h['losses'][-20:]):.3f} | "
                              f"{statistics.fmean(t['losses'][-20:]):.3f} |")
-                cmds.append(f"/work/tools/shared nice -n 10 {r['command']}")
+                cmds.append(f"nice -n 10 {r['command']}")
             hs = [r["hpcbert"]["eval"]["mlm_loss"] for r in runs]
             ts = [r["trainer"]["eval"]["mlm_loss"] for r in runs]
             parts.append(f"| {model} | | mean ± sd | {_mean_sd(hs)} | {_mean_sd(ts)} | "
                          f"{_mean_sd([r['hpcbert']['eval']['mlm_accuracy'] for r in runs])} | "
                          f"{_mean_sd([r['trainer']['eval']['mlm_accuracy'] for r in runs])} | | |")
             verdicts.append(_seed_noise_line(model, hs, ts))
-        parts += ["", *verdicts, "", "Commands:", "", "```", *dict.fromkeys(cmds), "```", ""]
+        parts += ["", *verdicts, "", "Commands (at low priority beside other jobs: the loss does not depend on them):", "", "```", *dict.fromkeys(cmds), "```", ""]
     runs = _convergence_runs(RESULTS)
     if runs:
         parts += ["## Convergence in a 20-minute box", "",
@@ -601,14 +601,14 @@ def render_readme(results: Path) -> str:
                          f"{ev.get('mlm_accuracy', float('nan')):.4f} | {ev.get('mlm_loss', float('nan')):.3f} | "
                          f"{s['activation_bytes_per_sequence'] / 2**20:.1f} MiB | {s['stopped_by']} |")
             c = json.loads((p / "command.json").read_text())
-            cmds.append(_portable(f"/work/tools/quiet {c['command']}    # {shlex.join(c['argv'])}"))
+            cmds.append(_portable(f"{c['command']}    # {shlex.join(c['argv'])}"))
         finals = [s["eval"].get("eval", {}).get("mlm_accuracy", 1.0) for _, _, s, _ in runs]
         if max(finals) < 0.06:
             parts += ["", f"Every run ended at a held-out accuracy under 6% ({', '.join(f'{x:.4f}' for x in finals)}): "
                       "the unigram plateau masked-LM training from scratch starts on (predicting the most frequent "
                       "tokens, loss near the unigram entropy). This box on this CPU does not carry the model past "
                       "it; the runs still compare the policies' tokens seen in the same time at the same accuracy."]
-        parts += ["", "Commands:", "", "```", *cmds, "```", ""]
+        parts += ["", "Commands (each with no other jobs on the machine: the box is wall time):", "", "```", *cmds, "```", ""]
     gpu = RESULTS / "gpu.json"
     parts += ["## On a GPU: bert-base and bert-large phase 1", ""]
     if gpu.is_file():

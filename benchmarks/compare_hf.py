@@ -1016,13 +1016,26 @@ def render_pair_table(summary: list[dict], seq_fmt: str) -> str:
                           "ratio per repeat", "ratio (median)"], rows).rstrip("\n")
 
 
+def accuracy_machines(runs: list[dict], note: str) -> list[str]:
+    """The lines before an accuracy table: the one machine its runs were measured on, or, where they
+    differ, which runs each machine measured (`note`: why the figures still compare)."""
+    machines: dict[str, list[str]] = {}
+    for r in sorted(runs, key=lambda r: (r["side"] != "hpcbert", r["seed"])):
+        machines.setdefault(_machine_line(r, trainer_packages=False), []).append(
+            f"{'hpcbert' if r['side'] == 'hpcbert' else 'Trainer'} seed {r['seed']}")
+    if len(machines) == 1:
+        return [f"Measured on {next(iter(machines))}.", ""]
+    return ([f"Measured on more than one machine ({note}):", ""]
+            + [f"- {', '.join(who)}: {line}" for line, who in machines.items()] + [""])
+
+
 def render_pair_runs(doc: dict) -> list[str]:
     """After a pair table: the load on the machine, the commands, and every run in the order it ran."""
     from hpcbert.report import markdown_grid
     lines = ["", load_line(doc["runs"], doc["settings"]["threads"], doc["calls"][0]["machine"]["cores"])
              if doc["calls"] else ""]
-    lines += ["", "Commands (each under `/work/tools/quiet`, which keeps tests and accuracy runs off the machine "
-                  "while it runs):", ""]
+    lines += ["", "Commands (each run with no tests or accuracy runs on the machine; the last column of the "
+                  "next table measures whatever else was busy):", ""]
     lines += [f"- `{c['command']}` ({c['date']})" for c in doc["calls"]]
     lines += ["", "Every run, in the order it ran:", "", markdown_grid(
         ["pair", "repeat", "side", "seq/s", "padded tokens/seq", "other-work cores during the run"],

@@ -20,8 +20,8 @@ every model is trained from random weights on both sides:
 
 Both sides, always: AdamW (betas 0.9/0.999, eps 1e-8; PyTorch's fused kernel on both sides: the
 Trainer's default `adamw_torch_fused`), weight decay 0.01 (not on biases and LayerNorm weights), linear
-warm-up over round(0.1 x steps) steps then linear decay to 0, max grad norm 1.0, dropout 0.1, fp32 (this
-CPU has no native bf16; emulated bf16 is ~100x slower), 2 threads. hpcbert:
+warm-up over round(0.1 x steps) steps then linear decay to 0, max grad norm 1.0, dropout 0.1, fp32 (the
+CPU it was written on has no native bf16, where emulated bf16 is ~100x slower), 2 threads. hpcbert:
 `hpcbert train --task classify` with its defaults (dynamic padding, length-grouped sampler). The
 Trainer: transformers' text-classification example (run_classification.py) re-implemented in the
 hidden `_hf-worker` command: `tokenizer(text, padding=..., max_length=128, truncation=True)`,
@@ -253,7 +253,7 @@ def cmd_accuracy(a) -> int:
 
 
 # ----------------------------------------------------------------------------------------------
-# throughput: one interleaved pair per call (short, under /work/tools/quiet)
+# throughput: one interleaved pair per call (short: run it with no other jobs on the machine)
 # ----------------------------------------------------------------------------------------------
 
 def cmd_throughput(a) -> int:
@@ -347,8 +347,9 @@ def render_accuracy(runs: list[dict]) -> str:
                       f"leave it; the run is kept in the table). Over the runs that learned: "
                       + "; ".join(f"{'hpcbert' if side == 'hpcbert' else 'Trainer'} {C.mean_pm(*mean_std(a))} ({len(a)} "
                                   f"seed(s))" for side, a in learned.items() if a) + "."]
-    lines += ["", "Commands (one segment of at most 20 minutes of training each, repeated until the run is done, "
-                  "under `/work/tools/shared nice -n 10`):", ""]
+    lines += ["", "Commands (one segment of at most 20 minutes of training each, repeated until the run is done; "
+                  "accuracy does not depend on other work on the machine, so these ran at low priority beside "
+                  "other jobs):", ""]
     lines += [f"- `{r['command']}` ({r['date']}): accuracy {100 * r['accuracy']:.2f}%, final training loss "
               f"{'—' if r.get('final_loss') is None else format(r['final_loss'], '.4f')}, {r['segments']} segment(s), "
               f"other work {r['other_cores_during']:.2f} cores" for r in sorted(runs, key=lambda r: (r["seed"], r["side"]))]
@@ -384,8 +385,9 @@ def render_readme(results: Path) -> str:
            "token). No Chinese weights are available here: every model on both sides is trained **from random "
            f"weights**. Both sides: AdamW (PyTorch's fused kernel), weight decay {WEIGHT_DECAY}, linear warm-up "
            f"{WARMUP_RATIO:g} then linear decay to 0, max grad norm {MAX_GRAD_NORM}, dropout 0.1, max length "
-           f"{SEQ_LEN}, {PRECISION} (this CPU has no native bf16: emulated bf16 is ~100x slower, so every figure is "
-           f"fp32), {THREADS} threads. The Trainer side is transformers' text-classification example "
+           f"{SEQ_LEN}, {PRECISION} on every machine (the first one these ran on had no native bf16, where "
+           f"emulated bf16 is ~100x slower; the machine line of each section says whether its CPU has it), "
+           f"{THREADS} threads. The Trainer side is transformers' text-classification example "
            "(run_classification.py) re-implemented in the script: `tokenizer(text, max_length=128, "
            "truncation=True)`, `AutoModelForSequenceClassification.from_config`, `Trainer.train()`.", ""]
     out += ["## Accuracy: a small shape from scratch", "",
@@ -395,7 +397,8 @@ def render_readme(results: Path) -> str:
             "padding and group_by_length here (the same maths as padding to 128, in less time).", ""]
     runs = [C.read_json(p) for p in sorted((results / "accuracy").glob("*.json"))]
     if runs:
-        out += [f"Measured on {C._machine_line(runs[0])}.", "", render_accuracy(runs), ""]
+        out += C.accuracy_machines(runs, "every run in fp32, so the precision is the same on each")
+        out += [render_accuracy(runs), ""]
     else:
         out += ["Not measured yet (`accuracy/*.json` is missing).", ""]
     out += ["## Throughput: the bert-base shape", ""]

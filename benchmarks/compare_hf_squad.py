@@ -394,7 +394,7 @@ def cmd_accuracy(a) -> int:
 
 
 # ----------------------------------------------------------------------------------------------
-# throughput: one interleaved pair per call (short, under /work/tools/quiet)
+# throughput: one interleaved pair per call (short: run it with no other jobs on the machine)
 # ----------------------------------------------------------------------------------------------
 
 def cmd_throughput(a) -> int:
@@ -557,15 +557,7 @@ def render_readme(results: Path) -> str:
     out += ["## Accuracy", ""]
     runs = [C.read_json(p) for p in sorted((results / "accuracy").glob("*.json"))]
     if runs:
-        machines: dict[str, list[str]] = {}
-        for r in sorted(runs, key=lambda r: (r["side"] != "hpcbert", r["seed"])):
-            machines.setdefault(C._machine_line(r, trainer_packages=False), []).append(
-                f"{'hpcbert' if r['side'] == 'hpcbert' else 'Trainer'} seed {r['seed']}")
-        if len(machines) == 1:
-            out += [f"Measured on {next(iter(machines))}.", ""]
-        else:
-            out += ["Measured on more than one machine (every run in fp32, so the precision is the same on each):", ""]
-            out += [f"- {', '.join(who)}: {line}" for line, who in machines.items()] + [""]
+        out += C.accuracy_machines(runs, "every run in fp32, so the precision is the same on each")
         out += [render_accuracy(runs), ""]
     else:
         out += ["Not measured yet (`accuracy/*.json` is missing).", ""]
