@@ -1016,7 +1016,8 @@ def render_pair_table(summary: list[dict], seq_fmt: str) -> str:
                           "ratio per repeat", "ratio (median)"], rows).rstrip("\n")
 
 
-def accuracy_machines(runs: list[dict], note: str) -> list[str]:
+def accuracy_machines(runs: list[dict], note: str = "every run in fp32, so the precision is the same on each"
+                      ) -> list[str]:
     """The lines before an accuracy table: the one machine its runs were measured on, or, where they
     differ, which runs each machine measured (`note`: why the figures still compare)."""
     machines: dict[str, list[str]] = {}

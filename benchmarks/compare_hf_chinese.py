@@ -397,7 +397,7 @@ def render_readme(results: Path) -> str:
             "padding and group_by_length here (the same maths as padding to 128, in less time).", ""]
     runs = [C.read_json(p) for p in sorted((results / "accuracy").glob("*.json"))]
     if runs:
-        out += C.accuracy_machines(runs, "every run in fp32, so the precision is the same on each")
+        out += C.accuracy_machines(runs)
         out += [render_accuracy(runs), ""]
     else:
         out += ["Not measured yet (`accuracy/*.json` is missing).", ""]

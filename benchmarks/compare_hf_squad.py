@@ -15,7 +15,7 @@ Both sides: minilm-l6 (pretrained BertModel; the span head `qa_outputs` newly in
 length 384, doc stride 128, per-device batch 16, 2 threads, lr 5e-5, AdamW (betas 0.9/0.999, eps
 1e-8, PyTorch's fused kernel on both sides), weight decay 0.01 (not on biases and LayerNorm
 weights), linear warm-up over round(0.1 x steps) steps then linear decay to 0, max grad norm 1.0,
-2 epochs, fp32 (this CPU has no native bf16), n-best 20, answers of at most 30 tokens.
+2 epochs, fp32 (the CPU these were first measured on has no native bf16), n-best 20, answers of at most 30 tokens.
 Each side prepares windows as its own users expect: hpcbert as Google's run_squad.py (question cut
 to 64 tokens, window starts 128 tokens apart); the Trainer as transformers' question-answering example
 (run_qa.py's prepare_train_features / prepare_validation_features and utils_qa.py's
@@ -53,7 +53,7 @@ EVAL_BATCH, WEIGHT_DECAY, WARMUP_RATIO, MAX_GRAD_NORM = C.EVAL_BATCH, C.WEIGHT_D
 EPOCHS = 2.0
 N_BEST, MAX_ANSWER = 20, 30
 SEEDS = (1, 2, 3)
-PRECISION = "fp32"  # this CPU has no native bf16 (emulated bf16 is ~100x slower): fp32 on both sides
+PRECISION = "fp32"  # the first CPU these ran on had no native bf16 (emulated ~100x slower): fp32 on both sides, on every machine
 F1_TARGET = 1.5     # hpcbert's mean F1 within this many points of the Trainer's
 SPEED_TARGET = 1.1  # hpcbert >= 1.1x the Trainer's training sequences/s
 
@@ -557,7 +557,7 @@ def render_readme(results: Path) -> str:
     out += ["## Accuracy", ""]
     runs = [C.read_json(p) for p in sorted((results / "accuracy").glob("*.json"))]
     if runs:
-        out += C.accuracy_machines(runs, "every run in fp32, so the precision is the same on each")
+        out += C.accuracy_machines(runs)
         out += [render_accuracy(runs), ""]
     else:
         out += ["Not measured yet (`accuracy/*.json` is missing).", ""]
