@@ -474,6 +474,8 @@ def cmd_large(a) -> int:
         free = (cap * (1 - plan.FRAGMENTATION) if cuda else cap) - made.state_total
         by_count = (max(0, int(free // (predicted.activation_bytes_per_sequence + counted)))
                     if counted is not None and predicted.activation_bytes_per_sequence is not None else None)
+        gc.collect()
+        held_before = torch.cuda.memory_allocated(dev) if cuda else 0
         model = copy.deepcopy(base).to(dev)
         policies.apply_grad_ckpt(model, policy)
         set_cap(cap / total)
@@ -513,6 +515,13 @@ def cmd_large(a) -> int:
         if cuda:
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(dev)
+            # what this policy's probe and timing left allocated once its model is gone: nothing, unless a
+            # step that ran out of memory kept its graph (at 9a2a6c4 selective's and alternate's did, and
+            # every batch tried after it failed); the policies probed after it would be lower bounds
+            rec["held_after_bytes"] = torch.cuda.memory_allocated(dev) - held_before
+            if rec["held_after_bytes"] > 2**26:
+                say(f"{policy}: {rec['held_after_bytes'] / 2**20:.0f} MiB still allocated after its model was freed; "
+                    "the probes after it in this process are lower bounds")
         C.write_json(path, doc)
     set_cap(1.0)
     print(render(Path(a.results_dir)))
@@ -631,6 +640,16 @@ def _large_section(doc: dict, path: Path) -> list[str]:
         out += ["", f"offload: planned for {hosts['offload'] / 2**30:.0f} GiB of host memory (`--host-memory`; "
                 "half of it for the activations it pins there), its probe stopping a fifth past the plan: it "
                 "keeps little on the device, so its bound is the host's memory."]
+    untimed = [r["policy"] for r in doc["policies"] if r["probed_largest_batch"] and not r.get("step_times_s")]
+    held = [f"{r['policy']} {r['held_after_bytes'] / 2**20:.0f} MiB" for r in doc["policies"]
+            if (r.get("held_after_bytes") or 0) > 2**26]
+    if untimed or held:
+        out += ["", "Not a clean measurement:"
+                + (f" timed at no batch ({', '.join(untimed)}): after the probe every batch down to 1 ran out of "
+                   "memory, as where memory stays allocated after a step that ran out of it;" if untimed else "")
+                + (f" still allocated after the policy's model was freed: {', '.join(held)};" if held else "")
+                + " that policy's own probe, from its first batch that ran out of memory, and the probes after it "
+                "in the same process are lower bounds (0: not even one sequence fitted)."]
     missing = [p for p in POLICIES if p not in {r["policy"] for r in doc["policies"]}]
     if missing:
         out += ["", f"No record in `{path.name}` for: {', '.join(missing)}."]

@@ -370,6 +370,35 @@ def test_inactive_in_evaluation_and_no_grad(monkeypatch):
     assert len(calls) == 5
 
 
+@pytest.mark.parametrize("policy,kept", [("none", 4), ("selective", 4), ("alternate", 4), ("every:3", 2)])
+def test_a_graph_dropped_without_backward_frees_its_activations(policy, kept):
+    """A step that fails between forward and backward (out of memory, as a batch probe provokes)
+    drops its graph: nothing it saved may outlive it. The feed-forward here also runs an operation
+    that saves its own output (a sigmoid, as flash attention on CUDA saves its output): a saved-tensor
+    hook that kept such a tensor as it is would tie it to its own node, a cycle gc cannot free, and
+    the layers' outputs upstream of it would stay alive. kept: the layers whose feed-forward keeps what
+    it saved (by hand: every:3 recomputes layers 0 and 3 of 4; alternate recomputes attention only)."""
+    import gc
+    import weakref
+
+    alive = []  # weak references to the sigmoids' storages (a storage's Python object lives as long as it)
+
+    def with_sigmoid(mod, inputs, out):
+        s = torch.sigmoid(out)
+        alive.append(weakref.ref(s.untyped_storage()))
+        return out + 0 * s
+
+    m = make(policy)
+    for layer in m.bert.encoder.layer:
+        getattr(layer, "_checkpoint_wrapped_module", layer).intermediate.register_forward_hook(with_sigmoid)
+    ids, mask, types, labels = batch()
+    loss = m.loss_sum(m(ids, mask, types), labels)
+    assert len(alive) == 4 and sum(r() is not None for r in alive) == kept  # held by the graph
+    del loss
+    gc.collect()
+    assert [r() is not None for r in alive] == [False] * 4
+
+
 def test_wrapping_twice_is_refused():
     m = make("all")
     with pytest.raises(RuntimeError, match="already applied"):

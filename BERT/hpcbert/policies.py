@@ -149,12 +149,18 @@ class _SelectiveHooks:
         if kind == "GeluBackward0":
             recipe = _Recompute(_gelu, (node._saved_self, node._saved_approximate))
         elif not self.layer_norms:
-            return t
+            return t.detach()
         elif kind == "NativeLayerNormBackward0":
             recipe = self._layer_norm_recipe(node, t.dtype)
         elif kind == "ToCopyBackward0" and type(node.next_functions[0][0]).__name__ == "NativeLayerNormBackward0":
             recipe = self._layer_norm_recipe(node.next_functions[0][0], t.dtype)
-        return t if recipe is None else recipe
+        # Kept: detached. A tensor an operation saves may be its own output (flash attention's, on
+        # CUDA), whose grad_fn is the node that holds what pack returns: returned as it is, node and
+        # tensor would hold each other, a cycle through C++ that Python's gc cannot free. backward
+        # breaks it, so training never saw it; a graph dropped without backward (a step that ran out
+        # of memory) kept its activations for good, and every later probe of a batch failed. The
+        # unpacked tensor gets its grad_fn back from autograd (PyTorch's documented pack hooks detach too).
+        return t.detach() if recipe is None else recipe
 
     @staticmethod
     def unpack(packed):
