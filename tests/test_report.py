@@ -759,7 +759,8 @@ def test_gpu_large_records_the_count_beside_the_plan_and_renders_both(tmp_path, 
     """gpu.py large --name, run on the CPU (bert-tiny): NAME.json, not large.json; per policy the
     plan's workspace, the count alone (plan.measure_workspace, called here) and the largest batch
     the count alone plans, which on the CPU (where the plan's workspace is the count) is the
-    plan's own; the README's section names the file's cap and adds the table of them."""
+    plan's own; the README's section names the file's cap and adds the table of them, and marks a
+    policy probed but timed at no batch."""
     import torch
 
     from hpcbert import plan
@@ -782,6 +783,10 @@ def test_gpu_large_records_the_count_beside_the_plan_and_renders_both(tmp_path, 
     assert "## bert-tiny at length 128, bf16, under a" in text and "No record in `large-tiny.json` for" in text
     table = text[text.index("| policy | activation MiB/seq | planned workspace"):].split("\n\n")[0].splitlines()
     assert [row.split(" | ")[0] for row in table[2:]] == ["| none", "| all"]
+    assert "Not a clean measurement" not in text  # every policy timed
+    doc["policies"][0]["step_times_s"] = []  # a policy probed and then timed at no batch (H200, 9a2a6c4)
+    (results / "large-tiny.json").write_text(json.dumps(doc))
+    assert "Not a clean measurement: timed at no batch (none):" in gpu.render(results)
 
 
 def test_gpu_data_script_gathers_what_a_gpu_session_carries(tmp_path):
