@@ -4,7 +4,7 @@ Trainer, convergence in a time box. A measurement, not a test; results/pretrain/
 generated from the JSON files and run directories it writes (`render`), never typed.
 
     python benchmarks/bench_pretrain.py prepare    [--workers 2]            the wiki extract: time, MB/s, peak RSS
-    python benchmarks/bench_pretrain.py throughput [--model bert-small --steps 12 --repeat 1]
+    python benchmarks/bench_pretrain.py throughput [--model bert-small --steps 12 --repeat 1 --precision fp32|bf16]
     python benchmarks/bench_pretrain.py loss       [--seed 1 --steps 300]   held-out masked-LM loss, both sides
     python benchmarks/bench_pretrain.py convergence --grad-ckpt none [--box 20m]
     python benchmarks/bench_pretrain.py gpu        [--models bert-base,bert-large --steps 40]   on a GPU
@@ -19,7 +19,8 @@ vocabulary logits), what a user of transformers would write. Same shape (random 
 AdamW fused (betas 0.9/0.999, eps 1e-8, weight decay 0.01 without biases and LayerNorm weights), LR
 1e-3 with round(0.1 x steps) linear warm-up then linear decay, gradient clipping 1.0, fp32 (the
 CPU these were first measured on has no native bf16: bf16 autocast is emulated there, ~100x
-slower), 2 threads. Every run is its own subprocess. Each throughput repeat runs hpcbert then the
+slower; `throughput --precision bf16` runs both sides under bf16 autocast, hpcbert's
+`--precision bf16` and the Trainer's `bf16=True`, on a CPU that has it), 2 threads. Every run is its own subprocess. Each throughput repeat runs hpcbert then the
 Trainer back to back (one call, with no other jobs on the machine), and the ratio is taken within
 the repeat.
 """
@@ -70,8 +71,10 @@ def command() -> str:
 def machine() -> dict:
     import torch
     from hpcbert.meters import cpu_name
+    from hpcbert.policies import device_has_native_bf16
 
-    info = {"cpu": cpu_name(), "cores": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__}
+    info = {"cpu": cpu_name(), "cores": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
+            "native_bf16": device_has_native_bf16(torch.device("cpu"))}
     for mod in ("transformers", "tokenizers", "numpy"):
         info[mod] = __import__(mod).__version__
     r = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
@@ -197,21 +200,23 @@ def cmd_prepare(a) -> int:
 
 # --- training: hpcbert side --------------------------------------------------------------------------
 
-def hpcbert_args(model: str, steps: int, seed: int, out: Path, *, do_eval: bool, extra: list | None = None) -> list:
+def hpcbert_args(model: str, steps: int, seed: int, out: Path, *, do_eval: bool, extra: list | None = None,
+                 precision: str = "fp32") -> list:
     return [sys.executable, "-m", "hpcbert.cli", "train", "--task", "mlm", "--data-dir", DATA, "--tokenizer", vocab(),
-            "--model", model, "--max-seq-length", SEQ_LEN, "--batch-size", BATCH, "--precision", "fp32",
+            "--model", model, "--max-seq-length", SEQ_LEN, "--batch-size", BATCH, "--precision", precision,
             "--threads", THREADS, "--lr", LR, "--warmup-ratio", WARMUP_RATIO, "--max-grad-norm", 1.0,
             "--weight-decay", 0.01, "--max-steps", steps, "--seed", seed, "--log-every", 1,
             "--warmup-steps-excluded", TIMING_WARMUP, "--no-save-model", "--do-eval" if do_eval else "--no-do-eval",
             "--out", out, *(extra or [])]
 
 
-def hpcbert_side(model: str, steps: int, seed: int, name: str, do_eval: bool) -> dict:
+def hpcbert_side(model: str, steps: int, seed: int, name: str, do_eval: bool, precision: str = "fp32") -> dict:
     from hpcbert.runfiles import read_metrics, read_summary
 
     out = WORK / name
     shutil.rmtree(out, ignore_errors=True)
-    r = run(hpcbert_args(model, steps, seed, out, do_eval=do_eval), WORK / "logs" / f"{name}.log")
+    r = run(hpcbert_args(model, steps, seed, out, do_eval=do_eval, precision=precision),
+            WORK / "logs" / f"{name}.log")
     s = read_summary(out)
     m = read_metrics(out)
     return {"side": "hpcbert", "model": model, "seed": seed, "steps": s["steps"],
@@ -224,10 +229,11 @@ def hpcbert_side(model: str, steps: int, seed: int, name: str, do_eval: bool) ->
 
 # --- training: the Trainer side (subprocess: this script's hidden `_hf-worker` command) -------------
 
-def hf_side(model: str, steps: int, seed: int, name: str, do_eval: bool) -> dict:
+def hf_side(model: str, steps: int, seed: int, name: str, do_eval: bool, precision: str = "fp32") -> dict:
     out = WORK / f"{name}.json"
     cmd = [sys.executable, Path(__file__).resolve(), "_hf-worker", "--model", model, "--steps", steps, "--seed", seed,
-           "--out", out, "--scratch", WORK / "hf-scratch" / name] + (["--do-eval"] if do_eval else [])
+           "--out", out, "--scratch", WORK / "hf-scratch" / name] + (["--do-eval"] if do_eval else []) + (
+           ["--bf16"] if precision == "bf16" else [])
     r = run(cmd, WORK / "logs" / f"{name}.log")
     return {**json.loads(out.read_text()), **r,
             "argv": ["python", "benchmarks/bench_pretrain.py", *map(str, cmd[2:])]}
@@ -241,6 +247,7 @@ def hf_worker(argv: list[str]) -> int:
     p.add_argument("--out", required=True)
     p.add_argument("--scratch", required=True)
     p.add_argument("--do-eval", action="store_true")
+    p.add_argument("--bf16", action="store_true", help="TrainingArguments(bf16=True): CPU autocast to bf16")
     a = p.parse_args(argv)
 
     import numpy as np
@@ -279,7 +286,7 @@ def hf_worker(argv: list[str]) -> int:
         adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8, max_grad_norm=1.0, lr_scheduler_type="linear",
         warmup_steps=round(WARMUP_RATIO * a.steps), max_steps=a.steps, optim="adamw_torch_fused",
         eval_strategy="no", save_strategy="no", report_to="none", dataloader_num_workers=0, seed=a.seed,
-        logging_strategy="steps", logging_steps=1, disable_tqdm=True, use_cpu=True)
+        logging_strategy="steps", logging_steps=1, disable_tqdm=True, use_cpu=True, bf16=a.bf16)
     torch.set_num_threads(THREADS)
 
     class StepTimer(TrainerCallback):
@@ -313,6 +320,7 @@ def hf_worker(argv: list[str]) -> int:
     times = [timer.end[i] - trainer.fetch_start[i] for i in range(n)]
     seqs = sum(s[0] for s in trainer.shapes[w:n])
     result = {"side": "transformers.Trainer", "model": a.model, "seed": a.seed, "steps": n,
+              "precision": "bf16" if args.bf16 else "fp32",
               "tokens_per_sec": sum(trainer.real_tokens[w:n]) / sum(times[w:]),
               "padded_tokens_per_sec": sum(s[0] * s[1] for s in trainer.shapes[w:n]) / sum(times[w:]),
               "steady_sequences_per_sec": seqs / sum(times[w:]), "steady_step_time_s": float(np.median(times[w:])),
@@ -351,12 +359,17 @@ def _append(path: Path, key: str, rec: dict) -> None:
 
 
 def cmd_throughput(a) -> int:
-    say(f"throughput {a.model}: hpcbert, then the Trainer, {a.steps} steps each (repeat {a.repeat})")
-    h = hpcbert_side(a.model, a.steps, SEED, f"tput-{a.model}-hpcbert-{a.repeat}", do_eval=False)
-    t = hf_side(a.model, a.steps, SEED, f"tput-{a.model}-hf-{a.repeat}", do_eval=False)
+    say(f"throughput {a.model} {a.precision}: hpcbert, then the Trainer, {a.steps} steps each (repeat {a.repeat})")
+    tag = "" if a.precision == "fp32" else f"-{a.precision}"
+    h = hpcbert_side(a.model, a.steps, SEED, f"tput-{a.model}{tag}-hpcbert-{a.repeat}", do_eval=False,
+                     precision=a.precision)
+    t = hf_side(a.model, a.steps, SEED, f"tput-{a.model}{tag}-hf-{a.repeat}", do_eval=False, precision=a.precision)
+    if t.get("precision", "fp32") != a.precision:
+        sys.exit(f"bench_pretrain: the Trainer ran in {t.get('precision')}, not {a.precision}")
     ratio = h["tokens_per_sec"] / t["tokens_per_sec"]
     say(f"  hpcbert {h['tokens_per_sec']:.0f} tokens/s, Trainer {t['tokens_per_sec']:.0f} tokens/s: {ratio:.2f}x")
-    _append(RESULTS / "throughput.json", a.model, {"repeat": a.repeat, "hpcbert": h, "trainer": t, "ratio": ratio})
+    _append(RESULTS / "throughput.json", a.model, {"repeat": a.repeat, "precision": a.precision, "hpcbert": h,
+                                                   "trainer": t, "ratio": ratio})
     return 0
 
 
@@ -501,10 +514,10 @@ def render_readme(results: Path) -> str:
     RESULTS = results  # noqa: N806 - the same name as the module's default
     parts = ["# Masked-LM pre-training benchmarks", "",
              "Generated by `python benchmarks/bench_pretrain.py render` from the JSON files and run directories "
-             "here; each figure's command is beside it. Machine: see each section. All CPU figures are fp32: the "
-             "CPU they were measured on (AMD EPYC, AVX2) has no native bf16, and bf16 autocast is emulated on it "
-             "(~100x slower), so the issue's bf16 throughput runs are GPU work, not measured here (no GPU in that "
-             "session).", ""]
+             "here; each figure's command is beside it. Machine: see each section. The CPU figures are fp32 "
+             "unless a row says bf16: the CPU they were first measured on (AMD EPYC, AVX2) had no native bf16, "
+             "where bf16 autocast is emulated (~100x slower); the bf16 throughput rows come from a later machine "
+             "of the same name that has it (`native bf16` in each row's record).", ""]
     prep = RESULTS / "prepare.json"
     if prep.is_file():
         d = json.loads(prep.read_text())
@@ -531,22 +544,33 @@ def render_readme(results: Path) -> str:
     if tp.is_file():
         d = json.loads(tp.read_text())
         parts += ["## Training throughput against the Hugging Face Trainer", "",
-                  "Seq 128, batch 32, fp32, 2 threads, the same packed sequences of the prepared extract; hpcbert "
+                  "Seq 128, batch 32, 2 threads, the same packed sequences of the prepared extract, both sides in "
+                  "the row's precision (bf16: hpcbert's `--precision bf16`, the Trainer's `bf16=True`, both CPU "
+                  "autocast); hpcbert "
                   "(BertForMaskedLM head with logits at the masked positions only, unpadded encoder) against "
                   "transformers' Trainer with BertForMaskedLM (full-vocabulary logits) and "
                   "DataCollatorForLanguageModeling. Tokens are real (non-pad) tokens; steady figures leave out "
                   f"the first {TIMING_WARMUP} steps on both sides, and a step is timed from its batch fetch to the "
                   "end of the optimizer step on both. Each repeat runs hpcbert then the Trainer back to back, with "
                   "no tests or accuracy runs on the machine; the ratio is taken within the repeat.", "",
-                  "| model | repeat | hpcbert tokens/s | Trainer tokens/s | ratio | hpcbert step s | Trainer step s | "
-                  "real tokens/seq (hpcbert, Trainer) | Trainer padded tokens/seq | "
+                  "| model | precision | CPU with native bf16 | repeat | hpcbert tokens/s | Trainer tokens/s | ratio | "
+                  "hpcbert step s | Trainer step s | real tokens/seq (hpcbert, Trainer) | Trainer padded tokens/seq | "
                   "other work (cores, hpcbert / Trainer) | date, commit |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         cmds = []
+        groups: dict[tuple[str, str, bool], list] = {}
         for model, reps in d.items():
             for r in reps:
+                # Records from before --precision were fp32, and from before the machine's native_bf16
+                # was recorded were made on the AVX2 CPU this page was first measured on (without it).
+                key = (model, r.get("precision", "fp32"), bool(r["machine"].get("native_bf16", False)))
+                groups.setdefault(key, []).append(r)
+        for (model, precision, native), reps in groups.items():  # a mean over one machine and precision
+            yes = "yes" if native else "no"
+            for r in reps:
                 h, t = r["hpcbert"], r["trainer"]
-                parts.append(f"| {model} | {r['repeat']} | {h['tokens_per_sec']:.0f} | {t['tokens_per_sec']:.0f} | "
+                parts.append(f"| {model} | {precision} | {yes} | {r['repeat']} | {h['tokens_per_sec']:.0f} | "
+                             f"{t['tokens_per_sec']:.0f} | "
                              f"**{r['ratio']:.2f}x** | {h['steady_step_time_s']:.2f} | {t['steady_step_time_s']:.2f} | "
                              f"{h['real_tokens_per_seq']:.1f}, {t['real_tokens_per_seq']:.1f} | "
                              f"{t['padded_tokens_per_sec'] / t['steady_sequences_per_sec']:.1f} | "
@@ -554,7 +578,7 @@ def render_readme(results: Path) -> str:
                              f"{r['date']}, {r['machine']['git_commit']} |")
                 cmds.append(r["command"])
             ratios = [r["ratio"] for r in reps]
-            parts.append(f"| {model} | mean | | | **{_mean_sd(ratios)}x** | | | | | | |")
+            parts.append(f"| {model} | {precision} | {yes} | mean | | | **{_mean_sd(ratios)}x** | | | | | | |")
         parts += ["", "Commands:", "", "```", *dict.fromkeys(cmds), "```", ""]
     ls = RESULTS / "loss.json"
     if ls.is_file():
@@ -648,6 +672,9 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--model", default="bert-small")
     s.add_argument("--steps", type=int, default=12)
     s.add_argument("--repeat", type=int, default=1)
+    s.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
+                   help="both sides: hpcbert's --precision, the Trainer's bf16=True (bf16 wants a CPU with native "
+                        "bf16, e.g. AVX512_BF16 or AMX; emulated it is ~100x slower)")
     s = sub.add_parser("loss")
     s.add_argument("--model", default="bert-mini")
     s.add_argument("--steps", type=int, default=300)

@@ -704,6 +704,34 @@ def test_gpu_mfu_compile_values_are_hpcbert_options():
     assert RunConfig(compile=args[1], compile_mode=args[3]).compile_mode == "max-autotune-no-cudagraphs"
 
 
+def test_pretrain_throughput_rows_are_grouped_by_precision(tmp_path):
+    """bench_pretrain's throughput table: a record from before --precision is fp32 and from before
+    native_bf16 was recorded is from the CPU without it; each precision on each kind of machine has
+    rows and a mean of its own (hand-computed here)."""
+    def side(tps):
+        return {"tokens_per_sec": tps, "steady_step_time_s": 1.0, "real_tokens_per_seq": 100.0,
+                "padded_tokens_per_sec": 128.0, "steady_sequences_per_sec": 1.0, "other_cores_during": 0.0}
+
+    def rec(repeat, h, t, precision=None, native=None):
+        r = {"repeat": repeat, "hpcbert": side(h), "trainer": side(t), "ratio": h / t, "date": "d",
+             "machine": {"git_commit": "abc"}, "command": f"cmd {repeat} {precision}"}
+        if native is not None:
+            r["machine"]["native_bf16"] = native
+        return r if precision is None else {**r, "precision": precision}
+
+    (tmp_path / "throughput.json").write_text(json.dumps({"bert-small": [
+        rec(1, 300.0, 200.0), rec(2, 300.0, 100.0, "fp32", True), rec(3, 500.0, 100.0, "fp32", True),
+        rec(1, 800.0, 400.0, "bf16", True), rec(2, 900.0, 300.0, "bf16", True)]}))
+    text = _benchmark_script("bench_pretrain").render_readme(tmp_path)
+    rows = [line for line in text.splitlines() if line.startswith("| bert-small |")]
+    assert [r.split(" | ")[1:4] for r in rows] == [
+        ["fp32", "no", "1"], ["fp32", "no", "mean"], ["fp32", "yes", "2"], ["fp32", "yes", "3"],
+        ["fp32", "yes", "mean"], ["bf16", "yes", "1"], ["bf16", "yes", "2"], ["bf16", "yes", "mean"]]
+    assert "**1.500x**" in rows[1]  # 300 / 200, one repeat: no spread
+    assert "**4.000 ± 1.414x**" in rows[4]  # 300 / 100 = 3 and 500 / 100 = 5, not the first machine's 1.5
+    assert "**2.500 ± 0.707x**" in rows[7]  # 800 / 400 = 2 and 900 / 300 = 3
+
+
 def test_gpu_mfu_on_pretraining_data_trains_mlm_and_renders_its_own_table(tmp_path, monkeypatch):
     """gpu.py mfu and profile --task mlm, run on the CPU: `hpcbert train --task mlm` on a prepared
     folder, records in mfu-mlm.json and profile-mlm.json (not the synthetic task's files), the
