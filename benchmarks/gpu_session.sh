@@ -9,6 +9,7 @@
 # arguments (benchmarks/gpu_data.sh gathers them and the pre-training data into .gpudata/ to
 # carry), and Python packages missing there can be put as wheels in .whl/ (installed to
 # /tmp/site with --no-deps --no-index). HPCBERT_COMMIT names the commit the tree was copied from.
+# benchmarks/gpu_queue.sh runs the next session's queued measurements through this script by name.
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu-out}
@@ -97,3 +98,8 @@ if [[ $PARTS == *" tests "* ]]; then
     tail -40 "$OUT/pytest-gpu.log"
 fi
 cat "$OUT/README.md"
+# PACK=FILE.tar.gz: $OUT in one file, the folder removed (a tool that brings back only a few files a
+# call brings back this one)
+if [ -n "${PACK:-}" ]; then
+    tar -C "$(dirname "$OUT")" -czf "$PACK" "$(basename "$OUT")" && rm -rf "$OUT" && echo "== packed into $PACK"
+fi

@@ -848,6 +848,46 @@ def test_gpu_data_script_gathers_what_a_gpu_session_carries(tmp_path):
     assert r.returncode == 2 and str(tmp_path / "nowhere" / "glue" / "MRPC") in r.stderr
 
 
+@pytest.mark.slow
+def test_gpu_queue_steps_are_commands_the_tools_accept(tmp_path):
+    """benchmarks/gpu_queue.sh, run here through the real gpu_session.sh: every step's gpu.py options
+    parse (on a CPU each run stops at "needs a CUDA device", never at argparse's usage), its pytest node
+    IDs exist (collected and skipped, none "not found"), and each step comes back as one file,
+    STEP.tar.gz, with no folder left beside it. An unknown step is exit 2 naming the steps, before
+    anything runs."""
+    import tarfile
+
+    steps = ["planner-base", "planner-large", "mlm", "attention", "autotune"]
+    out = tmp_path / "out"
+    env = {**os.environ, "OUT": str(out), "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+           "HPCBERT_COMMIT": "test", "CUDA_VISIBLE_DEVICES": ""}
+    script = ROOT / "benchmarks" / "gpu_queue.sh"
+    r = subprocess.run(["bash", str(script), "planner-base", "warp-speed"], capture_output=True, text=True, env=env,
+                       timeout=60)
+    assert r.returncode == 2 and "unknown step 'warp-speed'" in r.stderr and all(s in r.stderr for s in steps)
+    assert not out.exists()
+    r = subprocess.run(["bash", str(script), *steps], capture_output=True, text=True, env=env, timeout=600)
+    log = r.stdout + r.stderr
+    assert r.returncode == 0, log[-3000:]
+    assert sorted(p.name for p in out.iterdir()) == sorted(f"{s}.tar.gz" for s in steps)
+    # gpu.py parts: large (twice), mfu-mlm, profile, mfu; each parsed its options and met the CPU
+    assert log.count("benchmarks/gpu.py: needs a CUDA device") == 5 and "usage:" not in log, log[-3000:]
+    for step in steps:
+        with tarfile.open(out / f"{step}.tar.gz") as t:
+            names = set(t.getnames())
+            assert {f"{step}/info.txt", f"{step}/README.md"} <= names, names
+            if step in ("planner-base", "attention"):
+                text = t.extractfile(f"{step}/pytest-gpu.log").read().decode()
+                assert "not found" not in text and "ERROR" not in text and re.search(r"\d+ skipped", text), text
+                assert "== pytest -m gpu: exit 0" in log
+            if step == "planner-base":
+                for node in ("test_a_step_dropped_before_backward_leaves_nothing_allocated",
+                             "test_predicted_largest_batch_against_probing_on_the_gpu"):
+                    assert node in text
+            if step == "attention":
+                assert f"{step}/attention.json" in names
+
+
 def _trainer_worker_or_skip() -> Path:
     """What compare_hf.py's Trainer worker needs here ([bench] extras, the minilm-l6 tokenizer):
     the tokenizer's folder, or the test skips."""
