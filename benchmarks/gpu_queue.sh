@@ -30,20 +30,17 @@ for step in "$@"; do
 done
 mkdir -p "$OUT"
 for step in "$@"; do
-    case $step in
-        planner-base) env PARTS="large tests" T_LARGE=200 T_TESTS=200 \
-            LARGE_ARGS="--model bert-base --length 512 --memory 8GiB --steps 1 --policies none,selective,alternate,all --name large-base-8g-expandable" \
-            TEST_PATHS="tests/test_gpu.py::test_a_step_dropped_before_backward_leaves_nothing_allocated tests/test_plan.py::test_predicted_largest_batch_against_probing_on_the_gpu" \
-            OUT="$OUT/$step" PACK="$OUT/$step.tar.gz" bash "$SESSION" "$GLUE" "$TOK" ;;
-        planner-large) env PARTS="large" T_LARGE=150 \
-            LARGE_ARGS="--memory 16GiB --steps 2 --policies none,selective,alternate,all --name large-bert-large-16g-expandable" \
-            OUT="$OUT/$step" PACK="$OUT/$step.tar.gz" bash "$SESSION" "$GLUE" "$TOK" ;;
-        mlm) env PARTS="mfu-mlm profile" MFU_COMPILE=on MFU_BATCHES=1024 PROFILE_COMPILE=on TORCH_LOGS=recompiles \
-            T_MFU_MLM=300 T_PROFILE=150 OUT="$OUT/$step" PACK="$OUT/$step.tar.gz" bash "$SESSION" "$GLUE" "$TOK" ;;
-        attention) env PARTS="attention tests" TEST_PATHS="tests/test_unpad.py" T_TESTS=200 \
-            OUT="$OUT/$step" PACK="$OUT/$step.tar.gz" bash "$SESSION" "$GLUE" "$TOK" ;;
-        autotune) env PARTS="mfu" MFU_COMPILE=on,max-autotune-no-cudagraphs MFU_BATCHES=1024 MFU_NORMS=low T_MFU=540 \
-            OUT="$OUT/$step" PACK="$OUT/$step.tar.gz" bash "$SESSION" "$GLUE" "$TOK" ;;
+    case $step in  # gpu_session.sh's settings for the step
+        planner-base) vars=(PARTS="large tests" T_LARGE=200 T_TESTS=200
+            LARGE_ARGS="--model bert-base --length 512 --memory 8GiB --steps 1 --policies none,selective,alternate,all --name large-base-8g-expandable"
+            TEST_PATHS="tests/test_gpu.py::test_a_step_dropped_before_backward_leaves_nothing_allocated tests/test_plan.py::test_predicted_largest_batch_against_probing_on_the_gpu") ;;
+        planner-large) vars=(PARTS="large" T_LARGE=150
+            LARGE_ARGS="--memory 16GiB --steps 2 --policies none,selective,alternate,all --name large-bert-large-16g-expandable") ;;
+        mlm) vars=(PARTS="mfu-mlm profile" MFU_COMPILE=on MFU_BATCHES=1024 PROFILE_COMPILE=on TORCH_LOGS=recompiles
+            T_MFU_MLM=300 T_PROFILE=150) ;;
+        attention) vars=(PARTS="attention tests" TEST_PATHS="tests/test_unpad.py" T_TESTS=200) ;;
+        autotune) vars=(PARTS="mfu" MFU_COMPILE=on,max-autotune-no-cudagraphs MFU_BATCHES=1024 MFU_NORMS=low T_MFU=540) ;;
     esac
+    env "${vars[@]}" OUT="$OUT/$step" PACK="$OUT/$step.tar.gz" bash "$SESSION" "$GLUE" "$TOK"
     echo "== gpu_queue.sh $step: $OUT/$step.tar.gz"
 done
