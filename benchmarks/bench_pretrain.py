@@ -589,23 +589,28 @@ def render_readme(results: Path) -> str:
                   "Trainer's model is run on hpcbert's evaluation batches). Training loss: mean of the last 20 "
                   "logged steps.", "",
                   "| model | steps | seed | hpcbert held-out loss | Trainer held-out loss | hpcbert accuracy | "
-                  "Trainer accuracy | hpcbert train loss | Trainer train loss |",
-                  "|---|---|---|---|---|---|---|---|---|"]
+                  "Trainer accuracy | hpcbert train loss | Trainer train loss | date, commit |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
         cmds, verdicts = [], []
+        groups: dict[tuple[str, bool], list] = {}
         for model, runs in d.items():
+            for r in runs:  # one set of seeds per machine (records without native_bf16: the first, AVX2 one)
+                groups.setdefault((model, bool(r["machine"].get("native_bf16", False))), []).append(r)
+        for (model, _), runs in groups.items():
             for r in runs:
                 h, t = r["hpcbert"], r["trainer"]
                 parts.append(f"| {model} | {r['steps']} | {r['seed']} | {h['eval']['mlm_loss']:.3f} | "
                              f"{t['eval']['mlm_loss']:.3f} | {h['eval']['mlm_accuracy']:.3f} | "
                              f"{t['eval']['mlm_accuracy']:.3f} | {statistics.fmean(h['losses'][-20:]):.3f} | "
-                             f"{statistics.fmean(t['losses'][-20:]):.3f} |")
+                             f"{statistics.fmean(t['losses'][-20:]):.3f} | {r['date']}, {r['machine']['git_commit']} |")
                 cmds.append(f"nice -n 10 {r['command']}")
             hs = [r["hpcbert"]["eval"]["mlm_loss"] for r in runs]
             ts = [r["trainer"]["eval"]["mlm_loss"] for r in runs]
             parts.append(f"| {model} | | mean ± sd | {_mean_sd(hs)} | {_mean_sd(ts)} | "
                          f"{_mean_sd([r['hpcbert']['eval']['mlm_accuracy'] for r in runs])} | "
-                         f"{_mean_sd([r['trainer']['eval']['mlm_accuracy'] for r in runs])} | | |")
-            verdicts.append(_seed_noise_line(model, hs, ts))
+                         f"{_mean_sd([r['trainer']['eval']['mlm_accuracy'] for r in runs])} | | | |")
+            commits = ", ".join(dict.fromkeys(r["machine"]["git_commit"] for r in runs))
+            verdicts.append(_seed_noise_line(f"{model} (commits {commits})", hs, ts))
         parts += ["", *verdicts, "", "Commands (at low priority beside other jobs: the loss does not depend on them):",
                   "", "```", *dict.fromkeys(cmds), "```", ""]
     runs = _convergence_runs(RESULTS)

@@ -732,6 +732,23 @@ def test_pretrain_throughput_rows_are_grouped_by_precision(tmp_path):
     assert "**2.500 ± 0.707x**" in rows[7]  # 800 / 400 = 2 and 900 / 300 = 3
 
 
+def test_pretrain_loss_seeds_are_summarised_per_machine(tmp_path):
+    """bench_pretrain's loss table: the seeds measured on one machine have a mean of their own (records
+    without native_bf16 are the first machine's); hand-computed means."""
+    def rec(seed, h, t, native=None):
+        side = lambda loss: {"eval": {"mlm_loss": loss, "mlm_accuracy": 0.05}, "losses": [loss]}  # noqa: E731
+        machine = {"git_commit": "abc"} | ({} if native is None else {"native_bf16": native})
+        return {"seed": seed, "steps": 200, "hpcbert": side(h), "trainer": side(t), "date": "d", "machine": machine,
+                "command": f"cmd {seed}"}
+
+    (tmp_path / "loss.json").write_text(json.dumps({"bert-mini": [
+        rec(1, 7.0, 7.1), rec(2, 7.2, 7.1), rec(1, 6.0, 6.1, True), rec(2, 6.2, 6.3, True)]}))
+    text = _benchmark_script("bench_pretrain").render_readme(tmp_path)
+    means = [line for line in text.splitlines() if line.startswith("| bert-mini | | mean")]
+    assert [m.split(" | ")[2:4] for m in means] == [["7.100 ± 0.141", "7.100 ± 0.000"],
+                                                     ["6.100 ± 0.141", "6.200 ± 0.141"]]
+
+
 def test_gpu_mfu_on_pretraining_data_trains_mlm_and_renders_its_own_table(tmp_path, monkeypatch):
     """gpu.py mfu and profile --task mlm, run on the CPU: `hpcbert train --task mlm` on a prepared
     folder, records in mfu-mlm.json and profile-mlm.json (not the synthetic task's files), the
