@@ -20,9 +20,9 @@ AdamW fused (betas 0.9/0.999, eps 1e-8, weight decay 0.01 without biases and Lay
 1e-3 with round(0.1 x steps) linear warm-up then linear decay, gradient clipping 1.0, fp32 (the
 CPU these were first measured on has no native bf16: bf16 autocast is emulated there, ~100x
 slower; `throughput --precision bf16` runs both sides under bf16 autocast, hpcbert's
-`--precision bf16` and the Trainer's `bf16=True`, on a CPU that has it), 2 threads. Every run is its own subprocess. Each throughput repeat runs hpcbert then the
-Trainer back to back (one call, with no other jobs on the machine), and the ratio is taken within
-the repeat.
+`--precision bf16` and the Trainer's `bf16=True`, on a CPU that has it), 2 threads. Every run is
+its own subprocess. Each throughput repeat runs hpcbert then the Trainer back to back (one call,
+with no other jobs on the machine), and the ratio is taken within the repeat.
 """
 
 from __future__ import annotations
@@ -364,8 +364,8 @@ def cmd_throughput(a) -> int:
     h = hpcbert_side(a.model, a.steps, SEED, f"tput-{a.model}{tag}-hpcbert-{a.repeat}", do_eval=False,
                      precision=a.precision)
     t = hf_side(a.model, a.steps, SEED, f"tput-{a.model}{tag}-hf-{a.repeat}", do_eval=False, precision=a.precision)
-    if t.get("precision", "fp32") != a.precision:
-        sys.exit(f"bench_pretrain: the Trainer ran in {t.get('precision')}, not {a.precision}")
+    if t["precision"] != a.precision:
+        sys.exit(f"bench_pretrain: the Trainer ran in {t['precision']}, not {a.precision}")
     ratio = h["tokens_per_sec"] / t["tokens_per_sec"]
     say(f"  hpcbert {h['tokens_per_sec']:.0f} tokens/s, Trainer {t['tokens_per_sec']:.0f} tokens/s: {ratio:.2f}x")
     _append(RESULTS / "throughput.json", a.model, {"repeat": a.repeat, "precision": a.precision, "hpcbert": h,
@@ -508,6 +508,12 @@ def _portable(command: str) -> str:
     return re.sub(r"[^\s'\"]*/runs/bench_pretrain/", "runs/bench_pretrain/", command)
 
 
+def _native_bf16(rec: dict) -> bool:
+    """Whether a record's CPU had native bf16; records from before it was recorded were made on the
+    AVX2 CPU this page was first measured on, without it."""
+    return bool(rec["machine"].get("native_bf16", False))
+
+
 def render_readme(results: Path) -> str:
     """results/pretrain/README.md from the JSON files and run directories in `results` (pure: the
     convergence plot is drawn by `render`)."""
@@ -560,11 +566,8 @@ def render_readme(results: Path) -> str:
         cmds = []
         groups: dict[tuple[str, str, bool], list] = {}
         for model, reps in d.items():
-            for r in reps:
-                # Records from before --precision were fp32, and from before the machine's native_bf16
-                # was recorded were made on the AVX2 CPU this page was first measured on (without it).
-                key = (model, r.get("precision", "fp32"), bool(r["machine"].get("native_bf16", False)))
-                groups.setdefault(key, []).append(r)
+            for r in reps:  # records from before --precision were fp32
+                groups.setdefault((model, r.get("precision", "fp32"), _native_bf16(r)), []).append(r)
         for (model, precision, native), reps in groups.items():  # a mean over one machine and precision
             yes = "yes" if native else "no"
             for r in reps:
@@ -594,8 +597,8 @@ def render_readme(results: Path) -> str:
         cmds, verdicts = [], []
         groups: dict[tuple[str, bool], list] = {}
         for model, runs in d.items():
-            for r in runs:  # one set of seeds per machine (records without native_bf16: the first, AVX2 one)
-                groups.setdefault((model, bool(r["machine"].get("native_bf16", False))), []).append(r)
+            for r in runs:  # one set of seeds per machine
+                groups.setdefault((model, _native_bf16(r)), []).append(r)
         for (model, _), runs in groups.items():
             for r in runs:
                 h, t = r["hpcbert"], r["trainer"]

@@ -896,7 +896,7 @@ def test_gpu_queue_steps_are_commands_the_tools_accept(tmp_path):
             if step in ("planner-base", "attention"):
                 text = t.extractfile(f"{step}/pytest-gpu.log").read().decode()
                 assert "not found" not in text and "ERROR" not in text and re.search(r"\d+ skipped", text), text
-                assert "== pytest -m gpu: exit 0" in log
+                assert "== pytest -m gpu: exit 0" in text
             if step == "planner-base":
                 for node in ("test_a_step_dropped_before_backward_leaves_nothing_allocated",
                              "test_predicted_largest_batch_against_probing_on_the_gpu"):
