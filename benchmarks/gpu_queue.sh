@@ -29,7 +29,6 @@ STEPS="planner-base planner-large mlm attention autotune"
 for step in "$@"; do
     [[ " $STEPS " == *" $step "* ]] || { echo "gpu_queue.sh: unknown step '$step'; steps: $STEPS" >&2; exit 2; }
 done
-mkdir -p "$OUT"
 for step in "$@"; do
     case $step in  # gpu_session.sh's settings for the step
         planner-base) vars=(PARTS="large tests" T_LARGE=180 T_TESTS=180
