@@ -157,10 +157,29 @@ def test_workspace_is_what_backward_holds_beyond_the_saved_tensors(policy, lengt
 
 
 def test_the_cuda_workspace_rule():
-    """On CUDA the workspace is one plain layer's bytes, twice where a layer recomputes its forward
-    (alternate, all, every:K); on an H200 (bert-base 512) the probes found it on the safe side."""
+    """Where the count fails on CUDA the workspace is one plain layer's bytes, twice where a layer
+    recomputes its forward (alternate, all, every:K)."""
     assert [plan.workspace_rule(p, 10.0) for p in ("none", "selective", "offload", "alternate", "all", "every:3")] \
         == [10, 10, 10, 20, 20, 20]
+
+
+@pytest.mark.parametrize("counted", [3, 50])
+def test_cuda_plans_the_count_and_the_rule_only_where_the_count_fails(monkeypatch, counted):
+    """On CUDA the plan takes the count, below the rule's bytes (the H100's probes at 0071d95: within
+    1.10-1.25x of the count's batch, 1.18-1.58x of the rule's) and above them; a count that fails
+    gives the rule and a note naming the failure. On CPU a failing count is an error."""
+    cuda = torch.device("cuda")
+    monkeypatch.setattr(plan, "measure_workspace", lambda *a: counted)
+    assert plan.workspace_of(CFG, "all", cuda, "bf16", 10.0) == (counted, counted, "")
+
+    def fails(*a):
+        raise RuntimeError("no fake kernel")
+
+    monkeypatch.setattr(plan, "measure_workspace", fails)
+    workspace, got, note = plan.workspace_of(CFG, "all", cuda, "bf16", 10.0)
+    assert (workspace, got) == (20, None) and "RuntimeError: no fake kernel" in note
+    with pytest.raises(RuntimeError, match="no fake kernel"):
+        plan.workspace_of(CFG, "all", torch.device("cpu"), "bf16", 10.0)
 
 
 def test_largest_batch_is_what_the_memory_holds():
