@@ -4,9 +4,10 @@
 SDPA backends on the padded layout (`model.padded_attention` under `sdpa_kernel`: memory-efficient,
 cuDNN, math) and, without dropout, `torch.nn.attention.varlen.varlen_attn`. In one process, the
 variants in rotating order each round, CUDA events around forward + backward; the ratio is each
-variant's median time over the training path's. One variant is the training path's kernel without
-its copies of Q, K and V (views of the fused rows): whether ATen's kernel takes them, and what the
-copies cost. Attention took 21% of a compiled bert-base step's device time at batch 256 on an H200
+variant's median time over the training path's. One variant is the training path's kernel on copies
+of Q, K and V, as the training path ran it up to 0071d95: since then it takes them as views of the
+fused rows, which on an H100 took 0.79-0.85x the copies' time with the same output and gradients.
+Attention took 21% of a compiled bert-base step's device time at batch 256 on an H200
 (flash backward alone 17%) for about 2% of its FLOPs (results/gpu/profile.json): this says whether
 another kernel would take less.
 
@@ -20,7 +21,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -45,15 +48,15 @@ def variants(cuda: bool, p: float) -> dict:
 
     if not cuda:
         return {"math (padded)": padded(SDPBackend.MATH), "math again (padded)": padded(SDPBackend.MATH)}
-    def views(qkv, tokens, heads, p):
-        # the training path's kernel on Q, K and V as views of the fused rows (row stride 3H), without
-        # the copies model.attention makes: ATen's varlen kernel asks only for a contiguous last dimension
+    def copies(qkv, tokens, heads, p):
+        # the training path's kernel on contiguous copies of Q, K and V (model.attention up to 0071d95;
+        # since, views of the fused rows, row stride 3H): what the copies cost
         n, H = qkv.shape[0], qkv.shape[1] // 3
-        q, k, v = qkv.view(n, 3, heads, H // heads).unbind(1)
+        q, k, v = (t.contiguous() for t in qkv.view(n, 3, heads, H // heads).unbind(1))
         return M._FlashVarlen.apply(q, k, v, tokens.cu_seqlens, tokens.max_len, p).reshape(n, H)
 
     out = {"flash varlen (hpcbert)": lambda qkv, tokens, heads, p: M.attention(qkv, tokens, heads, p),
-           "flash varlen, Q/K/V views": views,
+           "flash varlen, Q/K/V copies": copies,
            "efficient (padded)": padded(SDPBackend.EFFICIENT_ATTENTION),
            "cudnn (padded)": padded(SDPBackend.CUDNN_ATTENTION),
            "math (padded)": padded(SDPBackend.MATH)}
@@ -69,6 +72,15 @@ def variants(cuda: bool, p: float) -> dict:
                 return varlen_attn(q, k, v, tokens.cu_seqlens, tokens.cu_seqlens, tokens.T, tokens.T).reshape(n, H)
             out["varlen_attn (torch)"] = varlen
     return out
+
+
+def commit() -> str | None:
+    """The commit measured: gpu_session.sh's HPCBERT_COMMIT (a GPU machine gets a copy of the tree,
+    without git), else the checkout's."""
+    found = os.environ.get("HPCBERT_COMMIT") or subprocess.run(
+        ["git", "rev-parse", "--short=7", "HEAD"], cwd=Path(__file__).resolve().parents[1],
+        capture_output=True, text=True).stdout.strip()
+    return found[:7] or None
 
 
 def positive(text: str) -> int:
@@ -134,6 +146,7 @@ def main(argv=None) -> int:
 
     doc = {"command": "python benchmarks/gpu_attention.py " + " ".join(argv if argv is not None else sys.argv[1:]),
            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "torch": torch.__version__,
+           "commit": commit(),
            "device": torch.cuda.get_device_name() if cuda else "cpu (a check that it runs, not a measurement)",
            "batch": a.batch, "heads": a.heads, "head_dim": a.head_dim, "lengths": [a.min_len, a.max_len],
            "real_tokens": n, "padded_tokens": a.batch * T, "dtype": str(dtype).removeprefix("torch."), "tables": []}

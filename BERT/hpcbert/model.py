@@ -606,7 +606,10 @@ def attention(qkv: torch.Tensor, tokens: Tokens, n_head: int, p: float, pack_mas
     if qkv.device.type == "cpu":
         return _cpu_attention(qkv, tokens.groups, n_head, p, pack_mask, pack_mask and reuse_mask)
     if tokens.index is not None and _flash_varlen_ok(qkv, D):
-        q, k, v = (t.contiguous() for t in qkv.view(n, 3, n_head, D).unbind(1))  # 3 x (n, N, D)
+        # Q, K and V as views of the fused rows (row stride 3H): the kernel asks only for a contiguous
+        # last dimension, and without copies attention's forward and backward took 0.79-0.85x the time
+        # on an H100, the same output and gradients (benchmarks/gpu_attention.py, results/gpu/attention.json)
+        q, k, v = qkv.view(n, 3, n_head, D).unbind(1)  # 3 x (n, N, D)
         # The longest sequence: a host int; traced, the padded length T, which bounds it (equal to it
         # in collate's batches), as a symbol rather than a value per batch to recompile for.
         max_len = tokens.T if torch.compiler.is_compiling() else tokens.max_len
