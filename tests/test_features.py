@@ -74,6 +74,27 @@ def test_batch_sent_in_one_packed_copy_equals_the_batch(monkeypatch, labels):
                                                                                15, 16, 17, 18, 19]
 
 
+def test_a_compiled_models_batch_has_tensors_of_their_own_after_the_packed_copy(monkeypatch):
+    """own_storage (the training loop's for a compiled model): after the one packed copy, no tensor
+    of the batch is a view of the shared buffer, each has a storage of its own, and the values are
+    the packed batch's; without it they are views of one buffer (what torch.compile guarded on)."""
+    b = collate(feats([3, 5, 2, 5], labels=[1, 0, 1, 1]), [0, 1, 2, 3])
+    b.labels = {"mlm_positions": torch.tensor([1, 6, 11]), "mlm_labels": torch.tensor([7, 8, 9])}
+    monkeypatch.setattr(features, "to_device", lambda ts, device: to_device(ts, device, pack=True))
+
+    def tensors(x):
+        return [x.input_ids, x.token_type_ids, x.attention_mask, x.tokens.index, x.tokens.cu_seqlens,
+                *x.labels.values()]
+
+    shared = tensors(b.to(torch.device("cpu"), always_index=True))
+    own = tensors(b.to(torch.device("cpu"), always_index=True, own_storage=True))
+    assert all(t._base is not None for t in shared)
+    assert len({t.untyped_storage().data_ptr() for t in shared}) == 1
+    assert all(t._base is None and t.storage_offset() == 0 for t in own)
+    assert len({t.untyped_storage().data_ptr() for t in own}) == len(own)
+    assert all(torch.equal(s, o) and s.dtype == o.dtype for s, o in zip(shared, own))
+
+
 @pytest.mark.parametrize("sampler", ["random", "length-grouped", "sequential"])
 def test_epoch_visits_every_example_once(sampler):
     lengths = np.random.default_rng(0).integers(3, 60, size=1001)

@@ -487,7 +487,7 @@ class Trainer:
             # all-reduce, so it runs one example with weight 0 (zero gradient, not counted).
             weight = 1.0 if len(idx) else 0.0
             batch = self.obj.collate(self.train_set, idx if len(idx) else gb[:1], pad_to, epoch).to(
-                d.device, self.token_multiple, always_index=self.compiled)
+                d.device, self.token_multiple, always_index=self.compiled, own_storage=self.compiled)
             B, T = batch.input_ids.shape
             if weight:
                 real_tokens += batch.real_tokens

@@ -155,11 +155,16 @@ class Batch:
         in the step), else the (B, T) mask."""
         return self.tokens if self.tokens is not None else self.attention_mask
 
-    def to(self, device: torch.device, token_multiple: int = 1, always_index: bool = False) -> "Batch":
+    def to(self, device: torch.device, token_multiple: int = 1, always_index: bool = False,
+           own_storage: bool = False) -> "Batch":
         """On `device`, with the unpadded layout (`model.Tokens`) built from the host lengths, its
         rows rounded up to a multiple of `token_multiple` (`Tokens.host_layout`; `always_index`: a
         batch without padding gets an index and an all-true mask too, one layout for a compiled
-        model). To a GPU, every tensor of the batch goes in one copy from pinned memory (`to_device`)."""
+        model). To a GPU, every tensor of the batch goes in one copy from pinned memory (`to_device`);
+        `own_storage` (a compiled model's) then copies each out of the one buffer on the device: as
+        views of it, inputs whose offsets move with the batch's size meet torch.compile's guards on
+        them (pytorch/pytorch#104563; on an H100 at 0071d95 an epoch's short last batch failed
+        `token_type_ids._base.size()[0] == token_type_ids.storage_offset()` and recompiled, 35 s)."""
         from ..model import Tokens
 
         labels = list(self.labels.values()) if isinstance(self.labels, dict) else [self.labels]
@@ -171,6 +176,9 @@ class Batch:
             mask = torch.ones(B, T, dtype=torch.bool)
         ids, types, mask, index, cu, *labels = to_device(
             [self.input_ids, self.token_type_ids, mask, index, cu, *labels], device)
+        if own_storage:
+            ids, types, mask, index, cu, *labels = (t.clone() if t is not None and t._base is not None else t
+                                                    for t in (ids, types, mask, index, cu, *labels))
         labels = dict(zip(self.labels, labels)) if isinstance(self.labels, dict) else labels[0]
         tokens = None if self.lengths is None else Tokens.build(
             [int(L) for L in self.lengths], B, T, None if index is None else mask.bool(), index, cu)
