@@ -359,3 +359,40 @@ def test_host_allocator_setting_must_be_known(monkeypatch):
     monkeypatch.setenv("HPCBERT_HOST_ALLOCATOR", "jemalloc")
     with pytest.raises(ValueError, match="HPCBERT_HOST_ALLOCATOR='jemalloc'; accepted: retain .* or system"):
         dist.tune_host_allocator()
+
+
+def test_under_ddp_the_gradients_are_views_of_its_buckets_and_stay_exact(tmp_path):
+    """dist.data_parallel (the training loop's DDP): after each backward, two of them with the
+    gradients set to None between (as the loop's zero_grad does), every parameter's gradient lies in
+    one of DDP's few bucket storages, not a storage of its own, so the gradients are held once; and
+    they equal autograd's without DDP (one process: the all-reduce averages one rank)."""
+    import copy
+
+    import torch.distributed as tdist
+
+    from hpcbert.dist import data_parallel
+    from hpcbert.model import BertConfig, BertForSequenceClassification
+
+    torch.manual_seed(0)
+    model = BertForSequenceClassification(BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2,
+                                                     num_attention_heads=2, intermediate_size=64,
+                                                     hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0))
+    ref = copy.deepcopy(model)
+    params = [p for p in model.parameters() if p.requires_grad]
+    tdist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        ddp = data_parallel(model, Dist(rank=0, world_size=1, local_rank=0, local_world_size=1,
+                                        device=torch.device("cpu"), backend="gloo"))
+        for step in range(2):
+            ids = torch.randint(0, 64, (4, 9), generator=torch.Generator().manual_seed(step))
+            ddp(ids).sum().backward()
+            ref(ids).sum().backward()
+            storages = {p.grad.untyped_storage().data_ptr() for p in params}
+            assert len(storages) <= 3 < len(params), (step, len(storages), len(params))
+            for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+                torch.testing.assert_close(p.grad, q.grad, rtol=1e-6, atol=1e-7, msg=f"step {step}: {name}")
+            for m in (model, ref):
+                m.zero_grad(set_to_none=True)
+        del ddp
+    finally:
+        tdist.destroy_process_group()

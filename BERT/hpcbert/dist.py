@@ -57,6 +57,16 @@ class Dist:
         return self.world_size > 1
 
 
+def data_parallel(model: torch.nn.Module, d: Dist) -> torch.nn.Module:
+    """`model` under DDP: gradients all-reduced in 25 MB buckets, overlapping the rest of the
+    backward pass, each parameter's gradient a view of its bucket (`gradient_as_bucket_view`). By
+    default DDP keeps the gradients twice, in the parameters' `.grad` and again in its buckets
+    (a copy of each in between); as views they are held once, as `hpcbert plan` counts them."""
+    return torch.nn.parallel.DistributedDataParallel(
+        model, device_ids=[d.local_rank] if d.device.type == "cuda" else None, bucket_cap_mb=25,
+        gradient_as_bucket_view=True)
+
+
 def _env_int(name: str, default: int) -> int:
     value = os.environ.get(name)
     if value is None or value == "":

@@ -212,9 +212,7 @@ class Trainer:
         # Policies that change how the model runs, applied from outside: DDP, then compile.
         model: nn.Module = self.raw
         if d.active:
-            # Gradients are all-reduced in 25 MB buckets, overlapping the rest of the backward pass.
-            model = nn.parallel.DistributedDataParallel(
-                model, device_ids=[d.local_rank] if d.device.type == "cuda" else None, bucket_cap_mb=25)
+            model = dist.data_parallel(model, d)
         self.compiled = policies.resolve_compile(cfg.compile, d.device)
         self.token_multiple = policies.resolve_token_multiple(cfg.token_multiple, d.device, self.precision)
         if self.compiled:
