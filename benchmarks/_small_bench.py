@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import shlex
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -15,6 +16,14 @@ from typing import Callable
 import torch
 
 from hpcbert import meters
+
+
+def commit() -> str:
+    """The commit measured, 7 characters: HPCBERT_COMMIT where set (gpu_session.sh's: a GPU machine
+    gets a copy of the tree, without git), else the checkout's."""
+    return (os.environ.get("HPCBERT_COMMIT") or subprocess.run(
+        ["git", "rev-parse", "--short=7", "HEAD"], cwd=Path(__file__).resolve().parents[1],
+        capture_output=True, text=True).stdout.strip())[:7]
 
 
 def write(out: Path, name: str, argv: list[str] | None, threads: int, rows: list[dict], **extra) -> None:

@@ -21,7 +21,6 @@ import argparse
 import ctypes
 import gc
 import json
-import os
 import platform
 import subprocess
 import sys
@@ -125,9 +124,7 @@ def main(argv: list[str] | None = None) -> int:
                                     str(a.steps), "--store", f"{tmp}/store-{name}"],
                                    capture_output=True, text=True, check=True)
                 rows.append(json.loads(r.stdout.strip().splitlines()[-1]))
-        commit = (os.environ.get("HPCBERT_COMMIT") or subprocess.run(
-            ["git", "rev-parse", "--short=7", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip())[:7]
-        _small_bench.write(out, "bench_ddp_memory", argv, 1, rows, commit=commit, model=a.model)
+        _small_bench.write(out, "bench_ddp_memory", argv, 1, rows, commit=_small_bench.commit(), model=a.model)
     _small_bench.write_readme(out, render_readme)
     return 0
 

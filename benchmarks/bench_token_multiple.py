@@ -25,7 +25,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -159,10 +158,7 @@ def main(argv: list[str] | None = None) -> int:
         tune_host_allocator()  # as `hpcbert train` sets it
         rows = [measure(a.model or ("bert-base" if cuda else "minilm-l6"), a.batch_size or (256 if cuda else 32),
                         multiples, a.steps, device, a.precision, r) for r in ranges]
-        # a GPU machine gets a copy of the tree, without git: gpu_session.sh's HPCBERT_COMMIT names it
-        commit = (os.environ.get("HPCBERT_COMMIT") or subprocess.run(
-            ["git", "rev-parse", "--short=7", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip())[:7]
-        _small_bench.write(out, "bench_token_multiple", argv, a.threads, rows, commit=commit)
+        _small_bench.write(out, "bench_token_multiple", argv, a.threads, rows, commit=_small_bench.commit())
         for row in rows:
             for s in row["sides"]:
                 print(f"lengths {row['lengths']}, token multiple {s['token_multiple']}: "

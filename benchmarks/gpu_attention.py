@@ -21,9 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -32,6 +30,8 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "BERT"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _small_bench  # noqa: E402
 from hpcbert import model as M  # noqa: E402
 from hpcbert.model import Tokens  # noqa: E402
 
@@ -72,15 +72,6 @@ def variants(cuda: bool, p: float) -> dict:
                 return varlen_attn(q, k, v, tokens.cu_seqlens, tokens.cu_seqlens, tokens.T, tokens.T).reshape(n, H)
             out["varlen_attn (torch)"] = varlen
     return out
-
-
-def commit() -> str | None:
-    """The commit measured: gpu_session.sh's HPCBERT_COMMIT (a GPU machine gets a copy of the tree,
-    without git), else the checkout's."""
-    found = os.environ.get("HPCBERT_COMMIT") or subprocess.run(
-        ["git", "rev-parse", "--short=7", "HEAD"], cwd=Path(__file__).resolve().parents[1],
-        capture_output=True, text=True).stdout.strip()
-    return found[:7] or None
 
 
 def positive(text: str) -> int:
@@ -146,7 +137,7 @@ def main(argv=None) -> int:
 
     doc = {"command": "python benchmarks/gpu_attention.py " + " ".join(argv if argv is not None else sys.argv[1:]),
            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "torch": torch.__version__,
-           "commit": commit(),
+           "commit": _small_bench.commit() or None,
            "device": torch.cuda.get_device_name() if cuda else "cpu (a check that it runs, not a measurement)",
            "batch": a.batch, "heads": a.heads, "head_dim": a.head_dim, "lengths": [a.min_len, a.max_len],
            "real_tokens": n, "padded_tokens": a.batch * T, "dtype": str(dtype).removeprefix("torch."), "tables": []}
