@@ -483,12 +483,10 @@ def cmd_large(a) -> int:
         predicted = made.policies[0]
         # the plan's workspace against the count alone (up to 0071d95 on CUDA it took at least
         # plan.workspace_rule's; since, the count): the largest batch the count alone would plan, beside
-        # the probe, says whether the GPU follows it
+        # the probe, says whether the GPU follows it; the plan's own wherever the count ran
         counted = predicted.workspace_counted
         count_error = None if counted is not None else predicted.note
-        free = (cap * (1 - plan.FRAGMENTATION) if cuda else cap) - made.state_total
-        by_count = (max(0, int(free // (predicted.activation_bytes_per_sequence + counted)))
-                    if counted is not None and predicted.activation_bytes_per_sequence is not None else None)
+        by_count = predicted.largest_batch if counted is not None else None
         gc.collect()
         held_before = torch.cuda.memory_allocated(dev) if cuda else 0
         model = copy.deepcopy(base).to(dev)
@@ -515,6 +513,10 @@ def cmd_large(a) -> int:
                "predicted_workspace_bytes_per_sequence": predicted.workspace_bytes_per_sequence,
                "counted_workspace_bytes_per_sequence": counted, "count_error": count_error,
                "largest_batch_by_count": by_count, "plan_state_bytes": made.state_total,
+               "plan_held_bytes": made.held_bytes, "gradients_held": made.gradients_held,
+               "predicted_peak_bytes": predicted.peak_bytes,
+               # the plan's peak at the batch timed, beside what those steps allocated at their peak
+               "predicted_peak_at_timed_bytes": made.memory(policy, timed_batch) if timed_batch and times else None,
                "predicted_note": predicted.note, "probed_largest_batch": probed, "probe_limit": limit,
                "probe_s": probe_s, "step_times_s": times,
                "timed_batch": timed_batch,
@@ -641,16 +643,21 @@ def _large_section(doc: dict, path: Path) -> list[str]:
                  if r["counted_workspace_bytes_per_sequence"] is not None else f"— ({r.get('count_error')})",
                  str(r["predicted_largest_batch"]),
                  "—" if r["largest_batch_by_count"] is None else str(r["largest_batch_by_count"]),
-                 str(r["probed_largest_batch"]), per_seq(r, "peak_allocated_bytes"), per_seq(r, "peak_reserved_bytes")]
+                 str(r["probed_largest_batch"]), per_seq(r, "peak_allocated_bytes"), per_seq(r, "peak_reserved_bytes"),
+                 (f"{r['peak_allocated_bytes'] / r['predicted_peak_at_timed_bytes']:.3f}"
+                  if r.get("predicted_peak_at_timed_bytes") and r.get("peak_allocated_bytes") else "—")]
                 for r in counted]
         out += ["", "The plan's workspace against the GPU's: planned, the plan's per-sequence workspace (on CUDA, "
                 "up to commit 0071d95 its count but at least `plan.workspace_rule`'s; since, the count alone); "
                 "counted, the count alone (FakeTensorMode), and "
                 "the largest batch it alone would plan; peak allocated and reserved, of the steps timed, less the "
-                "plan's state, over the batch timed (MiB per sequence; compare activation + workspace).", "",
+                "plan's state, over the batch timed (MiB per sequence; compare activation + workspace); "
+                "allocated / planned: the steps' peak allocated against the plan's memory at the batch timed "
+                "(`Plan.memory`, since the plan counts the step's peak with the gradients it holds there: "
+                "recorded from the commit after 7bdcf59 on).", "",
                 markdown_grid(["policy", "activation MiB/seq", "planned workspace", "counted workspace",
                                "planned batch", "batch by count", "probed batch", "peak allocated MiB/seq",
-                               "peak reserved MiB/seq"], rows).rstrip("\n")]
+                               "peak reserved MiB/seq", "allocated / planned at batch timed"], rows).rstrip("\n")]
     hosts = {r["policy"]: (r.get("source") or s).get("host_memory_bytes") for r in doc["policies"]}
     if hosts.get("offload"):
         out += ["", f"offload: planned for {hosts['offload'] / 2**30:.0f} GiB of host memory (`--host-memory`; "

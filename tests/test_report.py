@@ -825,10 +825,15 @@ def test_gpu_large_records_the_count_beside_the_plan_and_renders_both(tmp_path, 
         assert rec["counted_workspace_bytes_per_sequence"] == counted == rec["predicted_workspace_bytes_per_sequence"]
         assert rec["largest_batch_by_count"] == rec["predicted_largest_batch"] >= 1
         assert rec["probed_largest_batch"] >= 1 and rec["peak_reserved_bytes"] is None  # no CUDA here
+        # the plan's memory at the batch timed, one process (the probe's): held without the gradients
+        made = plan.make_plan(cfg, 72 * 2**20, torch.device("cpu"), (rec["policy"],), world_size=1)
+        assert rec["predicted_peak_at_timed_bytes"] == made.memory(rec["policy"], rec["timed_batch"])
+        assert rec["gradients_held"] is False and rec["plan_held_bytes"] == made.held_bytes
     text = gpu.render(results)
     assert "## bert-tiny at length 128, bf16, under a" in text and "No record in `large-tiny.json` for" in text
     table = text[text.index("| policy | activation MiB/seq | planned workspace"):].split("\n\n")[0].splitlines()
     assert [row.split(" | ")[0] for row in table[2:]] == ["| none", "| all"]
+    assert table[0].endswith("| allocated / planned at batch timed |") and table[2].endswith("| — |")  # no CUDA
     assert "Not a clean measurement" not in text  # every policy timed
     doc["policies"][0]["step_times_s"] = []  # a policy probed and then timed at no batch (H200, 9a2a6c4)
     (results / "large-tiny.json").write_text(json.dumps(doc))

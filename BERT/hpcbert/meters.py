@@ -119,8 +119,10 @@ class _StoragesCreated(TorchDispatchMode):
     """Counts the bytes of every storage that operations create on `device` while active, as long as
     each lives: a storage's Python object lives exactly as long as the storage (PyTorch keeps it
     while the storage is referenced from C++, as MemTracker in torch.distributed._tools relies on),
-    so a weak reference's callback takes its bytes off when it is freed. `peak`: the most alive
-    after any operation while active."""
+    so a weak reference's callback takes its bytes off when it is freed. An output whose storage is
+    one of the operation's inputs' (a view, an in-place operation) is not a new storage, except
+    lift_fresh's (a tensor torch.tensor(...) made). `peak`: the most alive after any operation while
+    active."""
 
     def __init__(self, device: torch.device):
         super().__init__()
@@ -130,10 +132,19 @@ class _StoragesCreated(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        inputs = None
         for t in torch.utils._pytree.tree_leaves(out):
             if isinstance(t, torch.Tensor) and t.device.type == self.device_type:
                 st = t.untyped_storage()
                 if st._cdata not in self.created:
+                    if inputs is None:  # a view's or an in-place operation's output is its input's storage,
+                        # which may have existed before (a parameter, an accumulated gradient): not created
+                        # here; but lift_fresh returns as is a tensor torch.tensor(...) has just made
+                        inputs = set() if func is torch.ops.aten.lift_fresh.default else {
+                            a.untyped_storage()._cdata for a in torch.utils._pytree.tree_leaves((args, kwargs))
+                            if isinstance(a, torch.Tensor) and a.device.type == self.device_type}
+                    if st._cdata in inputs:
+                        continue
                     n = st.nbytes()
                     self.created[st._cdata] = weakref.ref(st, functools.partial(self._freed, st._cdata, n))
                     self.alive += n
@@ -148,28 +159,119 @@ class _StoragesCreated(TorchDispatchMode):
         return self.alive
 
 
+class _Timeline(_StoragesCreated):
+    """_StoragesCreated that also records the bytes alive after every operation (`after`)."""
+
+    def __init__(self, device: torch.device):
+        super().__init__(device)
+        self.after: list[int] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        self.after.append(self.alive)
+        return out
+
+
+@dataclass
+class StepMemory:
+    """The bytes a forward and backward create on a device and hold, as a function of the batch b:
+    after operation i, (grow[i] x b + base[i]) / per. A storage the step creates either grows with
+    the batch (activations, their gradients, a recomputed layer's tensors) or does not (autocast's
+    weight copies, the parameters' gradients as backward computes them), so two traced batches b1
+    and b2 = b1 + per give both parts after every operation, exactly, in integers. The peak at a
+    batch is the most of these lines there: at a large batch it falls early in backward, where the
+    saved activations are at their most and few gradients exist yet; at a small one later, beside
+    more of the gradients."""
+
+    batches: tuple[int, int]
+    grow: np.ndarray              # int64: bytes `per` more sequences add, after each operation
+    base: np.ndarray              # int64: per x the bytes that do not grow, after each operation
+    forward_end: tuple[int, int]  # (grow, base) of the bytes alive when the forward returned
+    gradients: int                # bytes of the parameters' gradients after backward
+
+    @classmethod
+    def fit(cls, batches: tuple[int, int], after: tuple[list[int], list[int]], saved: tuple[int, int],
+            gradients: int) -> "StepMemory":
+        """From the bytes alive after each operation at the two batches (`after`) and when their
+        forwards returned (`saved`)."""
+        (b1, b2), (t1, t2) = batches, after
+        if len(t1) != len(t2):
+            raise RuntimeError(f"the step ran {len(t1)} operations at batch {b1} and {len(t2)} at {b2}: "
+                               "no one sequence of operations to fit the bytes of each to the batch")
+        a1, a2 = np.asarray(t1, dtype=np.int64), np.asarray(t2, dtype=np.int64)
+        grow, per, (s1, s2) = a2 - a1, b2 - b1, saved
+        return cls(batches, grow, a1 * per - grow * b1, (s2 - s1, s1 * per - (s2 - s1) * b1), gradients)
+
+    @property
+    def per(self) -> int:
+        return self.batches[1] - self.batches[0]
+
+    def peak(self, b: int) -> int:
+        """The most bytes alive after any operation of the step at batch b."""
+        return int(np.max(self.grow * b + self.base)) // self.per
+
+    def at_peak(self, b: int) -> tuple[int, int]:
+        """(the bytes that grow with the batch, the rest) alive after the operation where batch b peaks."""
+        i = int(np.argmax(self.grow * b + self.base))
+        return int(self.grow[i]) * b // self.per, int(self.base[i]) // self.per
+
+    def largest(self, budget: int) -> int:
+        """The largest batch whose peak is at most `budget` bytes (0 where not one sequence fits)."""
+        if budget < 0 or np.any((self.grow <= 0) & (self.base > budget * self.per)):
+            return 0
+        g = self.grow > 0
+        if not g.any():
+            raise ValueError("the traced step holds nothing that grows with the batch")
+        return max(0, int(np.min((budget * self.per - self.base[g]) // self.grow[g])))
+
+    def workspace_per_sequence(self) -> int:
+        """What backward holds beyond the tensors saved for it at its peak, per sequence: the peak's
+        growth between the traced batches less that of the bytes alive when the forward returned."""
+        b1, b2 = self.batches
+        return (self.peak(b2) - self.peak(b1) - self.forward_end[0]) // (b2 - b1)
+
+
+def trace_step(model: nn.Module, loss_of: Callable[[int], torch.Tensor], device: torch.device,
+               batches: tuple[int, int] = (64, 128), gradients_held: bool = False) -> StepMemory:
+    """StepMemory of a forward and backward of `loss_of(b)` at two batches, counted as
+    activation_bytes_per_sequence counts (storages that operations create on `device`, while each
+    lives). Meant for FakeTensorMode (hpcbert plan), where a batch costs no memory or compute, so the
+    batches can be large enough that the peak falls where the batch's share is largest.
+
+    gradients_held=False: every gradient is None before a traced step (zero_grad(set_to_none), as a
+    single process without accumulation runs), so the gradients backward allocates are in the trace.
+    True: every gradient exists before it (a first backward, not traced), as under DDP (its buckets)
+    or with accumulation, so backward adds into them. RNG state is restored; gradients end None."""
+    def trace(b: int) -> tuple[list[int], int]:
+        if gradients_held and any(p.grad is None for p in model.parameters() if p.requires_grad):
+            loss_of(b).backward()
+        elif not gradients_held:
+            model.zero_grad(set_to_none=True)
+        with _Timeline(device) as tl:
+            loss = loss_of(b)
+            saved = tl.alive_bytes()
+            loss.backward()
+            del loss
+        return tl.after, saved
+
+    b1, b2 = batches
+    devices = [device] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        t1, s1 = trace(b1)
+        t2, s2 = trace(b2)
+        gradients = sum(p.grad.untyped_storage().nbytes() for p in model.parameters() if p.grad is not None)
+        model.zero_grad(set_to_none=True)
+    return StepMemory.fit(batches, (t1, t2), (s1, s2), gradients)
+
+
 def workspace_bytes_per_sequence(model: nn.Module, loss_of: Callable[[int], torch.Tensor],
                                  device: torch.device, batches: tuple[int, int] = (64, 128)) -> int:
     """What backward holds beyond the tensors saved for it, at its peak, per sequence: the most bytes
     alive (storages created during the forward and backward of `loss_of(b)`, as
     activation_bytes_per_sequence counts them) less those alive when the forward returned, for two
     batches, their difference over the batches' (which cancels what does not grow with the batch:
-    the parameters' gradients). Meant for FakeTensorMode (hpcbert plan), where a batch costs no
-    memory or compute, so the batches can be large enough that the peak falls where the batch's
-    share is largest. Gradients are set to None after each backward. RNG state is restored."""
-    def beyond(b: int) -> int:
-        with _StoragesCreated(device) as created:
-            loss = loss_of(b)
-            saved = created.alive_bytes()
-            loss.backward()
-            del loss
-        model.zero_grad(set_to_none=True)
-        return created.peak - saved
-
-    devices = [device] if device.type == "cuda" else []
-    with torch.random.fork_rng(devices=devices):
-        b1, b2 = batches
-        return (beyond(b2) - beyond(b1)) // (b2 - b1)
+    the parameters' gradients). StepMemory.workspace_per_sequence of trace_step."""
+    return trace_step(model, loss_of, device, batches).workspace_per_sequence()
 
 
 def peak_memory(device: torch.device) -> tuple[int, str]:

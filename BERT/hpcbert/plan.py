@@ -1,27 +1,32 @@
 """`hpcbert plan`: the largest batch each checkpointing policy fits into a device's memory, and the
 fastest policy and batch, predicted before a run starts.
 
-    memory(policy, b) = state + b x (activations(policy) + workspace)
-      state        parameters (fp32) + gradients (fp32) + optimizer state (AdamW and LAMB: two fp32
-                   moments) + under bf16/fp16 autocast the low-precision copies of the matmul weights
-      activations  bytes per sequence the forward keeps for backward at --max-seq-length, counted
-                   as the run's summary counts them (meters.activation_bytes_per_sequence: storages
-                   created during forward and still alive at its end, batch 2 minus batch 1) on the
-                   whole model built in PyTorch's FakeTensorMode: shapes and dtypes without memory
-                   or compute, so bert-large at 512 is measured in a second on any machine
-      workspace    what backward holds beyond them at its peak, per sequence, counted the same way
-                   over a forward and backward of the fake model (meters.workspace_bytes_per_sequence:
-                   the most bytes alive after any operation, less those alive when the forward
-                   returned, batch 128 minus batch 64): the gradients in flight, a recomputed layer's
-                   activations, the CPU attention's (L, L) gradients, a masked-LM head's logits.
-                   On CPU glibc's bytes in use during a real step match that count
-                   (tests/test_plan.py: bert-mini, lengths 128 and 512, every policy; within 1%,
-                   the test allows 5%). On CUDA kernels' own buffers and the caching allocator's
-                   rounding are not in it, so the plan takes at least one plain layer's bytes, two
-                   where a layer recomputes its forward (alternate, all, every:K): on an H200,
-                   bert-base at 512, backward's peak beyond the saved tensors was 4.0, 7.3 and 7.4
-                   MiB per sequence for none, selective and alternate, one plain layer about 11, and
-                   in every GPU run so far the probed batch was at or above the plan's (results/gpu/)
+    memory(policy, b) = held + max(step(policy, b), after backward)
+      held         parameters (fp32) + optimizer state (AdamW and LAMB: two fp32 moments), and the
+                   gradients (fp32) where they stay allocated through the step: under DDP (its
+                   buckets, of which hpcbert's gradients are views) and with --grad-accum > 1. One
+                   process without accumulation sets them to None before each forward
+      step         the most bytes a forward and backward hold beside them after any operation
+                   (meters.trace_step), counted on the whole model built in PyTorch's FakeTensorMode:
+                   shapes and dtypes without memory or compute, so bert-large at 512 is traced in
+                   seconds on any machine. Each operation's bytes are a line in b (traced at two
+                   batches): what grows with the batch (the activations saved for backward, what
+                   backward holds beyond them: the gradients in flight, a recomputed layer's
+                   activations, the CPU attention's (L, L) gradients, a masked-LM head's logits) and
+                   what does not (autocast's low-precision weight copies, the gradients computed so
+                   far). With a large batch the peak falls early in backward, beside few gradients;
+                   with a small one late, beside most. On CPU glibc's bytes in use at the peak of a
+                   real step match it within 0.1% for every policy, one process or accumulating
+                   (tests/test_plan.py, bert-tiny); the plan up to 7bdcf59, which held every
+                   gradient and autocast's copies beside any batch, was 14-18% over one process's.
+      after backward  the gradients (where not held) and what the optimizer's step allocates
+      activations  (the table) bytes per sequence the forward keeps for backward at --max-seq-length,
+                   as the run's summary counts them (meters.activation_bytes_per_sequence)
+      workspace    (the table) what backward holds beyond them at its peak, per sequence
+                   (StepMemory.workspace_per_sequence). On CUDA kernels' own buffers and the caching
+                   allocator's rounding are not storages an operation returns, so they are not in
+                   the count; should the count fail there, the plan takes one plain layer's bytes
+                   (two where a layer recomputes its forward) beside the whole state
     A fraction of the memory (5% on CUDA, for the allocator's fragmentation) is kept free.
     offload also keeps, per sequence, what it moves out (none's activations minus its own) in pinned
     host memory: its largest batch is also bounded by HOST_SHARE of the host's available memory.
@@ -88,6 +93,8 @@ class PolicyPlan:
     seq_per_s: float | None                    # predicted at the largest batch
     note: str = ""
     workspace_counted: int | None = None       # the count alone; None: it failed (CUDA plans the rule)
+    peak_bytes: int | None = None              # predicted at the largest batch (before the kept-free share)
+    step: object = dataclasses.field(default=None, repr=False, compare=False)  # meters.StepMemory; None: the rule
 
 
 @dataclass
@@ -104,10 +111,31 @@ class Plan:
     best_batch: int
     t_seq: float   # predicted seconds per sequence without recomputation
     t_opt: float   # predicted seconds of an optimizer step
+    gradients_held: bool = True   # the gradients' bytes held through the step (DDP, accumulation)
+    optimizer_step_bytes: int = 0  # what the optimizer's step allocates beyond its state
+    usable_bytes: int = 0         # memory_bytes less the share kept free (CUDA)
 
     @property
     def state_total(self) -> int:
         return sum(self.state_bytes.values())
+
+    @property
+    def held_bytes(self) -> int:
+        """What stays allocated through every step: parameters and optimizer state, and the
+        gradients where they are held (DDP's buckets, accumulation)."""
+        return (self.state_bytes["parameters"] + self.state_bytes["optimizer"]
+                + (self.state_bytes["gradients"] if self.gradients_held else 0))
+
+    def memory(self, policy: str, b: int) -> int:
+        """Predicted bytes at the peak of a training step at batch b: what is held, and the most of
+        the step's own (the forward's and backward's, or after backward the gradients beside the
+        optimizer's step), or, where the count failed, the whole state beside b times the saved and
+        workspace bytes per sequence."""
+        p = self.get(policy)
+        if p.step is None:
+            return self.state_total + b * (p.activation_bytes_per_sequence + p.workspace_bytes_per_sequence)
+        after = (0 if self.gradients_held else p.step.gradients) + self.optimizer_step_bytes
+        return self.held_bytes + max(p.step.peak(b), after)
 
     def get(self, policy: str) -> PolicyPlan:
         return next(p for p in self.policies if p.policy == policy)
@@ -117,15 +145,22 @@ class Plan:
         lines = [f"hpcbert plan: {self.model} at length {self.max_seq_length}, {self.precision}, {self.optimizer}, "
                  f"{self.memory_bytes / gib:.1f} GiB on {self.device}",
                  "state " + ", ".join(f"{k} {v / gib:.2f}" for k, v in self.state_bytes.items())
-                 + f" GiB (total {self.state_total / gib:.2f} GiB)", "",
-                 f"{'policy':10s} {'act MiB/seq':>11s} {'workspace':>9s} {'largest batch':>13s} {'cost':>5s} "
-                 f"{'pred seq/s':>10s}"]
+                 + f" GiB (total {self.state_total / gib:.2f} GiB)",
+                 f"held through every step {self.held_bytes / gib:.2f} GiB: " + (
+                     "the gradients too (DDP's buckets, accumulation; --world-size 1 without --grad-accum "
+                     "plans one process, whose gradients exist from backward to the optimizer's step)"
+                     if self.gradients_held else
+                     "one process without accumulation: autocast's weight copies and the gradients are "
+                     "the step's own, counted where the step's peak falls"), "",
+                 f"{'policy':10s} {'act MiB/seq':>11s} {'workspace':>9s} {'largest batch':>13s} {'peak GiB':>8s} "
+                 f"{'cost':>5s} {'pred seq/s':>10s}"]
         for p in self.policies:
             if p.activation_bytes_per_sequence is None:
-                lines.append(f"{p.policy:10s} {'—':>11s} {'—':>9s} {'—':>13s} {'—':>5s} {'—':>10s}  {p.note}")
+                lines.append(f"{p.policy:10s} {'—':>11s} {'—':>9s} {'—':>13s} {'—':>8s} {'—':>5s} {'—':>10s}  {p.note}")
                 continue
+            peak = f"{p.peak_bytes / gib:8.2f}" if p.peak_bytes is not None else f"{'—':>8s}"
             lines.append(f"{p.policy:10s} {p.activation_bytes_per_sequence / 2**20:11.2f} "
-                         f"{p.workspace_bytes_per_sequence / 2**20:9.2f} {p.largest_batch:13d} {p.cost:5.2f} "
+                         f"{p.workspace_bytes_per_sequence / 2**20:9.2f} {p.largest_batch:13d} {peak} {p.cost:5.2f} "
                          f"{(p.seq_per_s or 0):10.1f}  {p.note}")
         lines.append("")
         if self.best_policy is None:
@@ -186,13 +221,43 @@ def measure_activations(cfg: RunConfig, policy: str, device, precision: str) -> 
     return act, params, lowp
 
 
-def measure_workspace(cfg: RunConfig, policy: str, device, precision: str) -> int:
-    """Backward's peak beyond the saved tensors per sequence (meters.workspace_bytes_per_sequence) of
-    `cfg`'s model with `policy` at --max-seq-length, counted in FakeTensorMode over forward and backward."""
+def measure_step(cfg: RunConfig, policy: str, device, precision: str,
+                 gradients_held: bool = False):
+    """meters.StepMemory of `cfg`'s model with `policy` at --max-seq-length: the bytes a forward and
+    backward hold after each operation, as a function of the batch, counted in FakeTensorMode."""
     from . import meters
 
     with _counting_model(cfg, policy, device, precision) as (model, loss_of):
-        return meters.workspace_bytes_per_sequence(model, loss_of, device)
+        return meters.trace_step(model, loss_of, device, gradients_held=gradients_held)
+
+
+def measure_workspace(cfg: RunConfig, policy: str, device, precision: str) -> int:
+    """Backward's peak beyond the saved tensors per sequence (meters.workspace_bytes_per_sequence) of
+    `cfg`'s model with `policy` at --max-seq-length, counted in FakeTensorMode over forward and backward."""
+    return measure_step(cfg, policy, device, precision).workspace_per_sequence()
+
+
+def measure_optimizer_step(cfg: RunConfig, device, precision: str) -> int:
+    """Bytes the optimizer's step allocates beyond its state (a step after its first, which creates
+    the moments), counted in FakeTensorMode: none for PyTorch's fused AdamW, a parameter-sized
+    buffer for hpcbert's multi-tensor LAMB. (Gradient clipping's are a few bytes a tensor; under
+    FakeTensorMode its in-place multiply counts as new storages, so it is not counted here.)"""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from . import meters, objectives
+    from .optim import make_optimizer
+
+    with FakeTensorMode(), torch.random.fork_rng(devices=[]):
+        with torch.device(device):
+            model = objectives.get(cfg).build_model(_model_config(cfg)).train()
+        for p in model.parameters():
+            p.grad = torch.zeros_like(p)
+        opt = make_optimizer(cfg, model, 1e-4, device)
+        opt.step()
+        with meters._StoragesCreated(device) as created:
+            opt.step()
+    return created.peak
 
 
 def workspace_rule(policy: str, per_layer: float) -> int:
@@ -201,25 +266,21 @@ def workspace_rule(policy: str, per_layer: float) -> int:
     return int(per_layer * (1 if policy in ("none", "offload", "selective") else 2))
 
 
-def workspace_of(cfg: RunConfig, policy: str, device, precision: str,
-                 per_layer: float) -> tuple[int, int | None, str]:
-    """(workspace bytes per sequence, the count alone or None where it failed, a note where the
-    workspace is not the count): the count (measure_workspace), on CPU and CUDA. On CPU glibc's
-    bytes in use match it (tests/test_plan.py). On CUDA kernels' own buffers (cuBLAS's) and the
-    caching allocator's rounding are not storages an operation returns, so the count misses them:
-    they come out of the memory plan.FRAGMENTATION keeps free. On an H100 (0071d95; bert-base at
-    length 512 under 8 GiB, bert-large at 512 under 16 GiB) the count's batch was at or under the
-    probed one for every policy and within 25% of it (1.10-1.25x; results/gpu/README.md), where
-    the earlier plan's floor, `workspace_rule`, planned 1.18-1.58x under it. Should the count fail
-    on a GPU, the rule, and the note says so."""
+def step_of(cfg: RunConfig, policy: str, device, precision: str, gradients_held: bool):
+    """(meters.StepMemory, a note): the count (measure_step), on CPU and CUDA. On CPU glibc's bytes
+    in use match it (tests/test_plan.py). On CUDA kernels' own buffers (cuBLAS's) and the caching
+    allocator's rounding are not storages an operation returns, so the count misses them: they come
+    out of the memory plan.FRAGMENTATION keeps free. On an H100 (0071d95; bert-base at length 512
+    under 8 GiB, bert-large at 512 under 16 GiB) the count's batch, with the gradients counted as
+    held through the step, was at or under the probed one for every policy and within 25% of it
+    (1.10-1.25x; results/gpu/README.md). Should the count fail on a GPU: None, and the plan takes
+    `workspace_rule` beside the whole state, and the note says so."""
     try:
-        counted = measure_workspace(cfg, policy, device, precision)
+        return measure_step(cfg, policy, device, precision, gradients_held), ""
     except Exception as e:  # noqa: BLE001 - reported in the plan's table, the rule stands
         if device.type == "cpu":
             raise
-        return (workspace_rule(policy, per_layer), None,
-                f"workspace by rule only (its count failed: {type(e).__name__}: {str(e)[:120]})")
-    return counted, counted, ""
+        return None, f"workspace by rule only (its count failed: {type(e).__name__}: {str(e)[:120]})"
 
 
 def device_constants(device) -> tuple[float, float, float | None, str]:
@@ -240,10 +301,15 @@ def device_constants(device) -> tuple[float, float, float | None, str]:
 
 
 def make_plan(cfg: RunConfig, memory_bytes: int | None = None, device=None,
-              policies_: tuple[str, ...] = PLAN_POLICIES, host_bytes: int | None = None) -> Plan:
+              policies_: tuple[str, ...] = PLAN_POLICIES, host_bytes: int | None = None,
+              world_size: int | None = 1) -> Plan:
     """The plan for `cfg`'s model, length, precision and optimizer on `device` (default: this
     process's) with `memory_bytes` (default: the device's free memory) and, for offload,
-    `host_bytes` of host memory (default: the host's available memory)."""
+    `host_bytes` of host memory (default: the host's available memory), for `world_size` processes
+    (None: not known, planned as under DDP). The gradients are held through the step under DDP
+    (its buckets; hpcbert's gradients are views of them) and with --grad-accum > 1; one process
+    without accumulation sets them to None before each forward, so they are allocated by backward,
+    where its saved activations are being freed."""
     import torch
 
     from . import policies
@@ -266,15 +332,23 @@ def make_plan(cfg: RunConfig, memory_bytes: int | None = None, device=None,
     peak, bw, link, _ = device_constants(device)
     t_seq = flops_per_sequence(mcfg, cfg.max_seq_length) / (peak * MFU_ASSUMED)
     t_opt = OPT_BYTES_PER_PARAM * params / bw
-    free = usable - sum(state.values())
+    gradients_held = world_size is None or world_size > 1 or cfg.grad_accum > 1
+    held = state["parameters"] + state["optimizer"] + (state["gradients"] if gradients_held else 0)
+    opt_step = measure_optimizer_step(cfg, device, precision)
     plans = []
     for p in policies_:
         if p not in runnable:
             plans.append(PolicyPlan(p, None, None, 0, None, None, "CUDA only"))
             continue
         act = measured[p][0]
-        workspace, counted, note = workspace_of(cfg, p, device, precision, per_layer)
-        largest = max(0, int(free // (act + workspace)))
+        step, note = step_of(cfg, p, device, precision, gradients_held)
+        if step is not None:
+            workspace = counted = step.workspace_per_sequence()
+            after = (0 if gradients_held else step.gradients) + opt_step  # after backward, the optimizer's step
+            largest = step.largest(int(usable - held)) if held + after <= usable else 0
+        else:  # CUDA, the count failed: the whole state beside the saved bytes and the rule's workspace
+            workspace, counted = workspace_rule(p, per_layer), None
+            largest = max(0, int((usable - sum(state.values())) // (act + workspace)))
         if p == "offload":
             largest, host_note = offload_largest(largest, none_act - act, host_bytes if host_bytes is not None
                                                  else device_free_memory(torch.device("cpu")))
@@ -283,10 +357,15 @@ def make_plan(cfg: RunConfig, memory_bytes: int | None = None, device=None,
         if p == "offload" and link:
             seq_time = max(seq_time, 2 * (none_act - act) / link)
         plans.append(PolicyPlan(p, act, workspace, largest, seq_time / t_seq,
-                                largest / (largest * seq_time + t_opt) if largest else None, note, counted))
+                                largest / (largest * seq_time + t_opt) if largest else None, note, counted,
+                                step=step))
     best, batch = choose(plans, t_seq, t_opt)
-    return Plan(cfg.model, cfg.max_seq_length, precision, cfg.optimizer, _device_name(device), int(memory_bytes),
-                state, plans, best, batch, t_seq, t_opt)
+    made = Plan(cfg.model, cfg.max_seq_length, precision, cfg.optimizer, _device_name(device), int(memory_bytes),
+                state, plans, best, batch, t_seq, t_opt, gradients_held, opt_step, int(usable))
+    for p in made.policies:
+        if p.largest_batch:
+            p.peak_bytes = made.memory(p.policy, p.largest_batch)
+    return made
 
 
 def recomputed_layers(policy: str, mcfg, length: int, device) -> float:
@@ -377,12 +456,14 @@ def device_free_memory(device) -> int:
     raise ValueError("memory: cannot read the host's available memory; pass --memory")
 
 
-def resolve_auto(cfg: RunConfig, device, log=print) -> RunConfig:
-    """--grad-ckpt auto and --batch-size auto, from the plan for this device's free memory: the
-    fastest policy (auto) or the given one, and its recommended batch (auto) or the given one."""
+def resolve_auto(cfg: RunConfig, device, log=print, world_size: int = 1) -> RunConfig:
+    """--grad-ckpt auto and --batch-size auto, from the plan for this device's free memory and the
+    run's `world_size` processes: the fastest policy (auto) or the given one, and its recommended
+    batch (auto) or the given one."""
     if cfg.batch_size != "auto" and cfg.grad_ckpt != "auto":
         return cfg
-    plan = make_plan(cfg, None, device, PLAN_POLICIES if cfg.grad_ckpt == "auto" else (cfg.grad_ckpt,))
+    plan = make_plan(cfg, None, device, PLAN_POLICIES if cfg.grad_ckpt == "auto" else (cfg.grad_ckpt,),
+                     world_size=world_size)
     if cfg.grad_ckpt == "auto":
         policy, batch = plan.best_policy, plan.best_batch
     else:
@@ -401,6 +482,10 @@ def add_options(p: argparse.ArgumentParser) -> None:
     config.add_arguments(p)
     p.add_argument("--memory", default=None,
                    help="device memory to plan for (40GiB, 80GB; default: this device's free memory)")
+    p.add_argument("--world-size", type=int, default=None,
+                   help="processes the run will have (torchrun's WORLD_SIZE): 1 plans one process, whose "
+                        "gradients exist only from backward to the optimizer's step; more, or not given, "
+                        "plans them held through the step, as DDP's buckets hold them")
 
 
 def cli(argv: list[str]) -> int:
@@ -414,7 +499,9 @@ def cli(argv: list[str]) -> int:
         memory = parse_bytes(ns.memory) if ns.memory else None
         cfg = config.from_namespace(ns)
         objectives.refuse_unread(cfg)  # the train command line it plans for, refused as train would
-        print(make_plan(cfg, memory).table())
+        if ns.world_size is not None and ns.world_size < 1:
+            raise ValueError(f"--world-size: {ns.world_size}; accepted: a number of processes, 1 or more")
+        print(make_plan(cfg, memory, world_size=ns.world_size).table())
     except (ValueError, FileNotFoundError) as e:
         print(f"hpcbert plan: error: {e}", file=sys.stderr)
         return 2

@@ -171,7 +171,7 @@ class Trainer:
         self.run_dir = Path(dist.decide(d, lambda: str(Path(cfg.out) if cfg.out else default_run_dir(cfg))))
         self.cfg = cfg = cfg.replace(out=str(self.run_dir))
         if "auto" in (cfg.batch_size, cfg.grad_ckpt):  # hpcbert plan, on rank 0, for every rank
-            self.cfg = cfg = dist.decide(d, lambda: planner.resolve_auto(cfg, d.device, lambda m: log(d, m)))
+            self.cfg = cfg = dist.decide(d, lambda: planner.resolve_auto(cfg, d.device, lambda m: log(d, m), d.world_size))
         # ... and the checkpoint to resume from, checked (sha256 once, on rank 0) before anything is loaded.
         self.ckman = CheckpointManager(self.run_dir / "checkpoints", cfg.keep_last, d.rank, d.world_size,
                                        lambda: dist.barrier(d), lambda item: dist.all_gather_objects(d, item))
