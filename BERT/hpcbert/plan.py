@@ -16,9 +16,10 @@ fastest policy and batch, predicted before a run starts.
                    what does not (autocast's low-precision weight copies, the gradients computed so
                    far). With a large batch the peak falls early in backward, beside few gradients;
                    with a small one late, beside most. On CPU glibc's bytes in use at the peak of a
-                   real step match it within 0.1% for every policy, one process or accumulating
-                   (tests/test_plan.py, bert-tiny); the plan up to 7bdcf59, which held every
-                   gradient and autocast's copies beside any batch, was 14-18% over one process's.
+                   real step match it within 0.3% for every policy, one process, accumulating or
+                   under DDP (tests/test_plan.py, bert-tiny, batches 48 and 2); the plan up to
+                   7bdcf59, which held every gradient and autocast's copies beside any batch, was
+                   14-18% over one process's at batch 48.
       after backward  the gradients (where not held) and what the optimizer's step allocates
       activations  (the table) bytes per sequence the forward keeps for backward at --max-seq-length,
                    as the run's summary counts them (meters.activation_bytes_per_sequence)
