@@ -20,7 +20,8 @@ fastest policy and batch, predicted before a run starts.
                    under DDP (tests/test_plan.py, bert-tiny, batches 48 and 2); the plan up to
                    7bdcf59, which held every gradient and autocast's copies beside any batch, was
                    14-18% over one process's at batch 48.
-      after backward  the gradients (where not held) and what the optimizer's step allocates
+      after backward  the gradients (where not held) and what clipping and the optimizer's step
+                   allocate (plan.measure_optimizer_step: a parameter-sized buffer for LAMB)
       activations  (the table) bytes per sequence the forward keeps for backward at --max-seq-length,
                    as the run's summary counts them (meters.activation_bytes_per_sequence)
       workspace    (the table) what backward holds beyond them at its peak, per sequence
@@ -239,10 +240,11 @@ def measure_workspace(cfg: RunConfig, policy: str, device, precision: str) -> in
 
 
 def measure_optimizer_step(cfg: RunConfig, device, precision: str) -> int:
-    """Bytes the optimizer's step allocates beyond its state (a step after its first, which creates
-    the moments), counted in FakeTensorMode: none for PyTorch's fused AdamW, a parameter-sized
-    buffer for hpcbert's multi-tensor LAMB. (Gradient clipping's are a few bytes a tensor; under
-    FakeTensorMode its in-place multiply counts as new storages, so it is not counted here.)"""
+    """Bytes gradient clipping and the optimizer's step allocate beyond its state (a step after its
+    first, which creates the moments), counted in FakeTensorMode: a few bytes a tensor for the
+    clipping's norms (PyTorch's clip_grad_norm_, which always multiplies: hpcbert's optim.clip_grad_norm
+    reads the factor on a CPU, which a fake tensor has no value for, and allocates no more), none
+    for PyTorch's fused AdamW, a parameter-sized buffer for hpcbert's multi-tensor LAMB."""
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -257,6 +259,8 @@ def measure_optimizer_step(cfg: RunConfig, device, precision: str) -> int:
         opt = make_optimizer(cfg, model, 1e-4, device)
         opt.step()
         with meters._StoragesCreated(device) as created:
+            if cfg.max_grad_norm:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
             opt.step()
     return created.peak
 
