@@ -514,7 +514,7 @@ def cmd_large(a) -> int:
                "counted_workspace_bytes_per_sequence": counted, "count_error": count_error,
                "largest_batch_by_count": by_count, "plan_state_bytes": made.state_total,
                "plan_held_bytes": made.held_bytes, "gradients_held": made.gradients_held,
-               "predicted_peak_bytes": predicted.peak_bytes,
+               "predicted_peak_bytes": made.memory(policy, predicted.largest_batch) if predicted.largest_batch else None,
                # the plan's peak at the batch timed, beside what those steps allocated at their peak
                "predicted_peak_at_timed_bytes": made.memory(policy, timed_batch) if timed_batch and times else None,
                "predicted_note": predicted.note, "probed_largest_batch": probed, "probe_limit": limit,

@@ -210,11 +210,6 @@ class StepMemory:
         """The most bytes alive after any operation of the step at batch b."""
         return int(np.max(self.grow * b + self.base)) // self.per
 
-    def at_peak(self, b: int) -> tuple[int, int]:
-        """(the bytes that grow with the batch, the rest) alive after the operation where batch b peaks."""
-        i = int(np.argmax(self.grow * b + self.base))
-        return int(self.grow[i]) * b // self.per, int(self.base[i]) // self.per
-
     def largest(self, budget: int) -> int:
         """The largest batch whose peak is at most `budget` bytes (0 where not one sequence fits)."""
         if budget < 0 or np.any((self.grow <= 0) & (self.base > budget * self.per)):
@@ -262,16 +257,6 @@ def trace_step(model: nn.Module, loss_of: Callable[[int], torch.Tensor], device:
         gradients = sum(p.grad.untyped_storage().nbytes() for p in model.parameters() if p.grad is not None)
         model.zero_grad(set_to_none=True)
     return StepMemory.fit(batches, (t1, t2), (s1, s2), gradients)
-
-
-def workspace_bytes_per_sequence(model: nn.Module, loss_of: Callable[[int], torch.Tensor],
-                                 device: torch.device, batches: tuple[int, int] = (64, 128)) -> int:
-    """What backward holds beyond the tensors saved for it, at its peak, per sequence: the most bytes
-    alive (storages created during the forward and backward of `loss_of(b)`, as
-    activation_bytes_per_sequence counts them) less those alive when the forward returned, for two
-    batches, their difference over the batches' (which cancels what does not grow with the batch:
-    the parameters' gradients). StepMemory.workspace_per_sequence of trace_step."""
-    return trace_step(model, loss_of, device, batches).workspace_per_sequence()
 
 
 def peak_memory(device: torch.device) -> tuple[int, str]:

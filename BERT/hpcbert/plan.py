@@ -95,7 +95,6 @@ class PolicyPlan:
     seq_per_s: float | None                    # predicted at the largest batch
     note: str = ""
     workspace_counted: int | None = None       # the count alone; None: it failed (CUDA plans the rule)
-    peak_bytes: int | None = None              # predicted at the largest batch (before the kept-free share)
     step: object = dataclasses.field(default=None, repr=False, compare=False)  # meters.StepMemory; None: the rule
 
 
@@ -115,7 +114,6 @@ class Plan:
     t_opt: float   # predicted seconds of an optimizer step
     gradients_held: bool = True   # the gradients' bytes held through the step (DDP, accumulation)
     optimizer_step_bytes: int = 0  # what the optimizer's step allocates beyond its state
-    usable_bytes: int = 0         # memory_bytes less the share kept free (CUDA)
 
     @property
     def state_total(self) -> int:
@@ -160,7 +158,7 @@ class Plan:
             if p.activation_bytes_per_sequence is None:
                 lines.append(f"{p.policy:10s} {'—':>11s} {'—':>9s} {'—':>13s} {'—':>8s} {'—':>5s} {'—':>10s}  {p.note}")
                 continue
-            peak = f"{p.peak_bytes / gib:8.2f}" if p.peak_bytes is not None else f"{'—':>8s}"
+            peak = f"{self.memory(p.policy, p.largest_batch) / gib:8.2f}" if p.largest_batch else f"{'—':>8s}"
             lines.append(f"{p.policy:10s} {p.activation_bytes_per_sequence / 2**20:11.2f} "
                          f"{p.workspace_bytes_per_sequence / 2**20:9.2f} {p.largest_batch:13d} {peak} {p.cost:5.2f} "
                          f"{(p.seq_per_s or 0):10.1f}  {p.note}")
@@ -234,7 +232,7 @@ def measure_step(cfg: RunConfig, policy: str, device, precision: str,
 
 
 def measure_workspace(cfg: RunConfig, policy: str, device, precision: str) -> int:
-    """Backward's peak beyond the saved tensors per sequence (meters.workspace_bytes_per_sequence) of
+    """Backward's peak beyond the saved tensors per sequence (meters.StepMemory.workspace_per_sequence) of
     `cfg`'s model with `policy` at --max-seq-length, counted in FakeTensorMode over forward and backward."""
     return measure_step(cfg, policy, device, precision).workspace_per_sequence()
 
@@ -365,12 +363,8 @@ def make_plan(cfg: RunConfig, memory_bytes: int | None = None, device=None,
                                 largest / (largest * seq_time + t_opt) if largest else None, note, counted,
                                 step=step))
     best, batch = choose(plans, t_seq, t_opt)
-    made = Plan(cfg.model, cfg.max_seq_length, precision, cfg.optimizer, _device_name(device), int(memory_bytes),
-                state, plans, best, batch, t_seq, t_opt, gradients_held, opt_step, int(usable))
-    for p in made.policies:
-        if p.largest_batch:
-            p.peak_bytes = made.memory(p.policy, p.largest_batch)
-    return made
+    return Plan(cfg.model, cfg.max_seq_length, precision, cfg.optimizer, _device_name(device), int(memory_bytes),
+                state, plans, best, batch, t_seq, t_opt, gradients_held, opt_step)
 
 
 def recomputed_layers(policy: str, mcfg, length: int, device) -> float:
