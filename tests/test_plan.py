@@ -239,6 +239,81 @@ def test_predicted_step_peak_within_5_percent_of_allocated(policy, mode, batch, 
     assert got["predicted"] == pytest.approx(got["measured"], rel=0.05), got
 
 
+def _evaluation_peak(task: str, mode: str, batch_size: int) -> dict:
+    """glibc's bytes in use between two training steps (the step after the first, which created
+    AdamW's moments, then zero_grad as the trainer leaves it) and the most of them after any
+    operation of an evaluation batch run as train.Trainer.evaluate runs one (eval mode, no autograd,
+    the forward under autocast, the objective's predictions brought to the host), each counted from
+    before the model was built; beside them the plan's for that batch. `ddp`: the model under
+    dist.data_parallel (one gloo rank; its buckets outlive the step's gradients), planned for
+    --world-size 2. Run in a process of its own (malloc's counters are the process's)."""
+    import tempfile
+
+    import torch.distributed as tdist
+
+    from hpcbert import dist
+
+    in_use = malloc_in_use()
+    Peak = _peak_mode(in_use)
+    cfg = RunConfig(task=task, model="bert-tiny", max_seq_length=128, precision="bf16", eval_batch_size=batch_size,
+                    data_dir="unread" if task == "mlm" else None)
+    cpu, obj, mcfg = torch.device("cpu"), objectives.get(cfg), plan._model_config(cfg)
+    made = plan.make_plan(cfg, 8 * 2**30, cpu, ("none",), world_size=2 if mode == "ddp" else 1)
+    train_batch, norm = obj.example_batch(8, cfg.max_seq_length, mcfg.vocab_size)
+    eval_batch, _ = obj.example_batch(batch_size, cfg.max_seq_length, mcfg.vocab_size)
+    if mode == "ddp":
+        tdist.init_process_group("gloo", init_method=f"file://{tempfile.mkdtemp()}/store", rank=0, world_size=1)
+    one = dist.Dist(rank=0, world_size=1, local_rank=0, local_world_size=1, device=cpu, backend="gloo")
+
+    def step(model, opt, wrapped) -> None:
+        model.train()
+        with policies.autocast("bf16", cpu):
+            loss = obj.loss(model, obj.forward(wrapped or model, train_batch), train_batch, norm)
+        loss.backward()
+        del loss
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    def evaluate(model) -> None:
+        model.eval()
+        with torch.no_grad():
+            with policies.autocast("bf16", cpu):
+                outputs = obj.forward(model, eval_batch)
+            objectives.to_host(obj.predict(outputs, eval_batch))
+            del outputs
+
+    warm = obj.build_model(mcfg)  # the libraries' one-time buffers, as in _measure
+    step(warm, make_optimizer(cfg, warm, 1e-4, cpu), dist.data_parallel(warm, one) if mode == "ddp" else None)
+    evaluate(warm)
+    del warm
+    torch.manual_seed(0)
+    m0 = in_use()
+    model = obj.build_model(mcfg)
+    wrapped = dist.data_parallel(model, one) if mode == "ddp" else None
+    opt = make_optimizer(cfg, model, 1e-4, cpu)
+    for _ in range(2):
+        step(model, opt, wrapped)
+    between = in_use() - m0
+    with Peak() as p:
+        evaluate(model)
+    return {"measured": {"between": between, "evaluation": p.peak - m0 - between},
+            "predicted": {"between": made.held_between_steps, "evaluation": made.evaluation.peak(batch_size)}}
+
+
+@pytest.mark.parametrize("task,batch", [("synthetic", 64), ("synthetic", 2), ("mlm", 64), ("squad", 64)])
+@pytest.mark.parametrize("mode", ["one-process", "ddp"])
+def test_predicted_evaluation_peak_within_5_percent_of_allocated(task, batch, mode):
+    """An evaluation batch between steps (bert-tiny, bf16, length 128): what stays allocated there
+    (parameters and AdamW's moments; under DDP also its gradient buckets, though every .grad is
+    None) and the most an evaluation batch adds to it (autocast's weight copies, the layer in
+    flight, the outputs and the objective's predictions: a masked-LM's fp32 logits and per-token
+    losses at the masked rows), against glibc's bytes at a real one's peak."""
+    malloc_in_use()  # skips here where glibc cannot measure
+    got = _in_own_process(f"_evaluation_peak({task!r}, {mode!r}, {batch})")
+    for part in ("between", "evaluation"):
+        assert got["predicted"][part] == pytest.approx(got["measured"][part], rel=0.05), (part, got)
+
+
 @pytest.mark.parametrize("length,batches", [(128, (32, 64)), (512, (8, 16))])
 @pytest.mark.parametrize("policy", ["none", "selective", "alternate", "all"])
 def test_workspace_is_what_backward_holds_beyond_the_saved_tensors(policy, length, batches):
@@ -367,6 +442,39 @@ def test_auto_batch_and_policy_resolve_from_the_plan(monkeypatch):
     monkeypatch.setattr(plan, "device_free_memory", lambda device: 2**20)
     with pytest.raises(ValueError, match="batch_size auto: not one sequence of 128 tokens fits"):
         plan.resolve_auto(CFG.replace(batch_size="auto"), torch.device("cpu"))
+
+
+def test_auto_lowers_an_evaluation_batch_that_does_not_fit(monkeypatch):
+    """A masked-LM's evaluation batch holds its fp32 logits and per-token losses at the masked rows:
+    with memory for 63 of them beside the optimizer's state, --batch-size auto evaluates 63 at a
+    time, says so, and the table says what does not fit; --no-do-eval plans no evaluation."""
+    cfg = RunConfig(task="mlm", data_dir="unread", model="bert-tiny", max_seq_length=128, precision="bf16",
+                    grad_ckpt="all", batch_size="auto")
+    ample = plan.make_plan(cfg, 8 * 2**30, "cpu", ("all",), world_size=1)
+    memory = ample.evaluation_memory(64) - 1
+    assert ample.eval_largest_batch > 64 and ample.evaluation_memory(63) <= memory
+    monkeypatch.setattr(plan, "device_free_memory", lambda device: memory)
+    monkeypatch.setattr(plan, "device_constants", lambda device: (1e11, 1e10, None, "test"))
+    said = []
+    out = plan.resolve_auto(cfg, torch.device("cpu"), log=said.append, world_size=1)
+    assert out.eval_batch_size == 63 and out.batch_size >= 1
+    assert "--eval-batch-size 63 (the 64 asked does not fit)" in said[0]
+    tight = plan.make_plan(cfg, memory, "cpu", ("all",), world_size=1)
+    assert "evaluation at --eval-batch-size 64: peak" in tight.table()
+    assert "does not fit: --eval-batch-size 63 or less (--batch-size auto sets 63)" in tight.table()
+    assert plan.resolve_auto(cfg.replace(do_eval=False), torch.device("cpu"), log=said.append,
+                             world_size=1).eval_batch_size == 64
+    assert "evaluation" not in plan.make_plan(cfg.replace(do_eval=False), memory, "cpu", ("all",)).table()
+    made = plan.make_plan  # not one evaluation sequence fits (a training batch does): an error, not a run
+
+    def none_fits(*a, **k):
+        p = made(*a, **k)
+        p.eval_largest_batch = 0
+        return p
+
+    monkeypatch.setattr(plan, "make_plan", none_fits)
+    with pytest.raises(ValueError, match="fits, but not one evaluation sequence of 128 tokens"):
+        plan.resolve_auto(cfg, torch.device("cpu"), log=said.append, world_size=1)
 
 
 def test_cli_prints_every_policy_and_the_fastest():

@@ -435,7 +435,7 @@ def test_glue_and_synthetic_objectives_implement_the_protocol():
         out = obj.forward(model, batch)
         assert out.shape == (3, labels)
         loss = obj.loss(model, out, batch, norm)
-        preds = obj.predict(out, batch)
+        preds = objectives.to_host(obj.predict(out, batch))
         assert loss.ndim == 0 and preds["pred"].shape == (3,)
         # The per-example loss terms the evaluation averages are the training loss's terms.
         assert float(np.mean(preds["loss"])) == pytest.approx(float(loss.detach()), rel=1e-6)

@@ -259,6 +259,26 @@ def trace_step(model: nn.Module, loss_of: Callable[[int], torch.Tensor], device:
     return StepMemory.fit(batches, (t1, t2), (s1, s2), gradients)
 
 
+def trace_evaluation(model: nn.Module, outputs_of: Callable[[int], object], device: torch.device,
+                     batches: tuple[int, int] = (64, 128)) -> StepMemory:
+    """StepMemory of an evaluation's forward: `outputs_of(b)` at two batches without autograd (the
+    caller puts the model in eval mode), counted as trace_step counts. Nothing is kept for a
+    backward, so its line after each operation is what that forward holds there (autocast's weight
+    copies, the layer in flight, the outputs); forward_end is the outputs' bytes, gradients 0.
+    RNG state is restored."""
+    def trace(b: int) -> tuple[list[int], int]:
+        with torch.no_grad(), _Timeline(device) as tl:
+            out = outputs_of(b)
+            kept = tl.alive_bytes()
+            del out
+        return tl.after, kept
+
+    devices = [device] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        (t1, s1), (t2, s2) = trace(batches[0]), trace(batches[1])
+    return StepMemory.fit(batches, (t1, t2), (s1, s2), 0)
+
+
 def peak_memory(device: torch.device) -> tuple[int, str]:
     if device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(device)), "cuda_max_allocated"

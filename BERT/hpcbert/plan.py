@@ -29,6 +29,13 @@ fastest policy and batch, predicted before a run starts.
                    allocator's rounding are not storages an operation returns, so they are not in
                    the count; should the count fail there, the plan takes one plain layer's bytes
                    (two where a layer recomputes its forward) beside the whole state
+    evaluation(b) = held between steps + eval(b)
+      held between steps  parameters, optimizer state, and under DDP its buckets' gradient bytes
+      eval         the most bytes an evaluation batch (--eval-batch-size, unless --no-do-eval) holds
+                   after any operation of its forward (without autograd, dropout off, every sequence
+                   at --max-seq-length) and the objective's predictions on the device
+                   (meters.trace_evaluation). A batch that does not fit is reported, and
+                   --batch-size auto lowers --eval-batch-size to the largest that does.
     A fraction of the memory (5% on CUDA, for the allocator's fragmentation) is kept free.
     offload also keeps, per sequence, what it moves out (none's activations minus its own) in pinned
     host memory: its largest batch is also bounded by HOST_SHARE of the host's available memory.
@@ -114,6 +121,11 @@ class Plan:
     t_opt: float   # predicted seconds of an optimizer step
     gradients_held: bool = True   # the gradients' bytes held through the step (DDP, accumulation)
     optimizer_step_bytes: int = 0  # what the optimizer's step allocates beyond its state
+    ddp: bool = True               # DDP's buckets hold the gradients' bytes between steps too
+    eval_batch_size: int = 0       # the evaluation planned (--eval-batch-size); 0: none (--no-do-eval)
+    eval_largest_batch: int = 0    # the largest evaluation batch that fits
+    evaluation: object = dataclasses.field(default=None, repr=False, compare=False)  # meters.StepMemory; None: not counted
+    evaluation_note: str = ""
 
     @property
     def state_total(self) -> int:
@@ -136,6 +148,19 @@ class Plan:
             return self.state_total + b * (p.activation_bytes_per_sequence + p.workspace_bytes_per_sequence)
         after = (0 if self.gradients_held else p.step.gradients) + self.optimizer_step_bytes
         return self.held_bytes + max(p.step.peak(b), after)
+
+    @property
+    def held_between_steps(self) -> int:
+        """What stays allocated between steps, where an evaluation runs: parameters and optimizer
+        state, and the gradients' bytes under DDP (its buckets; the gradients themselves are None)."""
+        return (self.state_bytes["parameters"] + self.state_bytes["optimizer"]
+                + (self.state_bytes["gradients"] if self.ddp else 0))
+
+    def evaluation_memory(self, b: int) -> int:
+        """Predicted bytes at the peak of an evaluation batch of b sequences: what is held between
+        steps, and the most that the forward (without autograd, dropout off, every sequence at
+        --max-seq-length) and the objective's predictions hold after any operation."""
+        return self.held_between_steps + self.evaluation.peak(b)
 
     def get(self, policy: str) -> PolicyPlan:
         return next(p for p in self.policies if p.policy == policy)
@@ -163,6 +188,14 @@ class Plan:
                          f"{p.workspace_bytes_per_sequence / 2**20:9.2f} {p.largest_batch:13d} {peak} {p.cost:5.2f} "
                          f"{(p.seq_per_s or 0):10.1f}  {p.note}")
         lines.append("")
+        if self.eval_batch_size and self.evaluation is None:
+            lines.append(f"evaluation: not counted ({self.evaluation_note})")
+        elif self.eval_batch_size:
+            fits = (f"the largest that fits: {self.eval_largest_batch}" if self.eval_largest_batch >= self.eval_batch_size
+                    else f"does not fit: --eval-batch-size {self.eval_largest_batch} or less"
+                    + (f" (--batch-size auto sets {self.eval_largest_batch})" if self.eval_largest_batch else ""))
+            lines.append(f"evaluation at --eval-batch-size {self.eval_batch_size}: peak "
+                         f"{self.evaluation_memory(self.eval_batch_size) / gib:.2f} GiB; {fits}")
         if self.best_policy is None:
             lines.append("nothing fits: not one sequence with any policy (shorter --max-seq-length, smaller model, "
                          "more memory)")
@@ -182,8 +215,9 @@ def _model_config(cfg: RunConfig):
 
 @contextlib.contextmanager
 def _counting_model(cfg: RunConfig, policy: str, device, precision: str):
-    """(model, loss_of(b)): `cfg`'s model with `policy`, built in FakeTensorMode (shapes and dtypes,
-    no memory, no compute), and its objective's forward and loss on b sequences at --max-seq-length."""
+    """(model, loss_of(b), predictions_of(b)): `cfg`'s model with `policy`, built in FakeTensorMode
+    (shapes and dtypes, no memory, no compute), its objective's forward and loss on b sequences at
+    --max-seq-length, and its forward and predictions on them (an evaluation's batch)."""
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -203,7 +237,14 @@ def _counting_model(cfg: RunConfig, policy: str, device, precision: str):
             with policies.autocast(precision, device):
                 return obj.loss(model, obj.forward(model, batch), batch, norm)
 
-        yield model, loss_of
+        def predictions_of(b: int):  # as train.Trainer.evaluate runs a batch
+            batch, _ = obj.example_batch(b, cfg.max_seq_length, mcfg.vocab_size)
+            batch = batch.to(device)
+            with policies.autocast(precision, device):
+                outputs = obj.forward(model, batch)
+            return obj.predict(outputs, batch)
+
+        yield model, loss_of, predictions_of
 
 
 def measure_activations(cfg: RunConfig, policy: str, device, precision: str) -> tuple[int, int, int]:
@@ -213,7 +254,7 @@ def measure_activations(cfg: RunConfig, policy: str, device, precision: str) -> 
 
     from . import meters
 
-    with _counting_model(cfg, policy, device, precision) as (model, loss_of):
+    with _counting_model(cfg, policy, device, precision) as (model, loss_of, _):
         act = meters.activation_bytes_per_sequence(model, loss_of, device)
         params = sum(p.numel() for p in model.parameters())
         lowp = sum(m.weight.numel() + (m.bias.numel() if m.bias is not None else 0)
@@ -227,8 +268,30 @@ def measure_step(cfg: RunConfig, policy: str, device, precision: str,
     backward hold after each operation, as a function of the batch, counted in FakeTensorMode."""
     from . import meters
 
-    with _counting_model(cfg, policy, device, precision) as (model, loss_of):
+    with _counting_model(cfg, policy, device, precision) as (model, loss_of, _):
         return meters.trace_step(model, loss_of, device, gradients_held=gradients_held)
+
+
+def measure_evaluation(cfg: RunConfig, device, precision: str):
+    """meters.StepMemory of an evaluation batch of `cfg`'s model at --max-seq-length: its forward
+    without autograd in eval mode (no checkpointing applies: nothing is saved) and the objective's
+    predictions on the device, counted in FakeTensorMode."""
+    from . import meters
+
+    with _counting_model(cfg, "none", device, precision) as (model, _, predictions_of):
+        model.eval()
+        return meters.trace_evaluation(model, predictions_of, device)
+
+
+def evaluation_of(cfg: RunConfig, device, precision: str):
+    """(meters.StepMemory, a note) of --do-eval's batches, or (None, why not): as step_of, the count
+    failing on a GPU is reported, not raised."""
+    try:
+        return measure_evaluation(cfg, device, precision), ""
+    except Exception as e:  # noqa: BLE001 - reported in the plan's table
+        if device.type == "cpu":
+            raise
+        return None, f"its count failed: {type(e).__name__}: {str(e)[:120]}"
 
 
 def measure_workspace(cfg: RunConfig, policy: str, device, precision: str) -> int:
@@ -363,8 +426,15 @@ def make_plan(cfg: RunConfig, memory_bytes: int | None = None, device=None,
                                 largest / (largest * seq_time + t_opt) if largest else None, note, counted,
                                 step=step))
     best, batch = choose(plans, t_seq, t_opt)
-    return Plan(cfg.model, cfg.max_seq_length, precision, cfg.optimizer, _device_name(device), int(memory_bytes),
-                state, plans, best, batch, t_seq, t_opt, gradients_held, opt_step)
+    ddp = world_size is None or world_size > 1
+    made = Plan(cfg.model, cfg.max_seq_length, precision, cfg.optimizer, _device_name(device), int(memory_bytes),
+                state, plans, best, batch, t_seq, t_opt, gradients_held, opt_step, ddp)
+    if cfg.do_eval:
+        made.eval_batch_size = cfg.eval_batch_size
+        made.evaluation, made.evaluation_note = evaluation_of(cfg, device, precision)
+        if made.evaluation is not None:
+            made.eval_largest_batch = made.evaluation.largest(int(usable - made.held_between_steps))
+    return made
 
 
 def recomputed_layers(policy: str, mcfg, length: int, device) -> float:
@@ -472,8 +542,15 @@ def resolve_auto(cfg: RunConfig, device, log=print, world_size: int = 1) -> RunC
         raise ValueError(f"batch_size auto: not one sequence of {cfg.max_seq_length} tokens fits "
                          f"{plan.memory_bytes / 2**30:.1f} GiB with --grad-ckpt {cfg.grad_ckpt} (see hpcbert plan)")
     batch = batch if cfg.batch_size == "auto" else cfg.batch_size
+    evaluation = ""
+    if plan.evaluation is not None and plan.eval_largest_batch < plan.eval_batch_size:
+        if not plan.eval_largest_batch:
+            raise ValueError(f"batch_size auto: --grad-ckpt {policy} --batch-size {batch} fits, but not one evaluation "
+                             f"sequence of {cfg.max_seq_length} tokens beside the optimizer's state (see hpcbert plan)")
+        evaluation = f" --eval-batch-size {plan.eval_largest_batch} (the {plan.eval_batch_size} asked does not fit)"
+        cfg = cfg.replace(eval_batch_size=plan.eval_largest_batch)
     log(f"plan for {plan.memory_bytes / 2**30:.1f} GiB free on {plan.device}: --grad-ckpt {policy} "
-        f"--batch-size {batch} (hpcbert plan prints the table)")
+        f"--batch-size {batch}{evaluation} (hpcbert plan prints the table)")
     return cfg.replace(grad_ckpt=policy, batch_size=batch)
 
 

@@ -745,7 +745,9 @@ class Trainer:
                 batch = obj.collate(data, mine[i:i + cfg.eval_batch_size]).to(d.device, self.token_multiple)
                 with self.amp():
                     outputs = obj.forward(self.raw, batch)
-                preds.append(obj.predict(outputs, batch))
+                # the outputs go with predict's return, not with the next batch's forward
+                preds.append(objectives.to_host(obj.predict(outputs, batch)))
+                del outputs
             gathered = dist.all_gather_objects(d, (mine, preds))
             idx = np.concatenate([g[0] for g in gathered])
             assert len(idx) == len(data) and len(np.unique(idx)) == len(data), "every dev example exactly once"

@@ -97,12 +97,12 @@ class SequenceClassification:
     def loss(self, model: nn.Module, outputs: torch.Tensor, batch: Batch, norm: dict[str, float]) -> torch.Tensor:
         return model.loss_sum(outputs, batch.labels) / norm["examples"]
 
-    def predict(self, outputs: torch.Tensor, batch: Batch) -> dict[str, np.ndarray]:
+    def predict(self, outputs: torch.Tensor, batch: Batch) -> dict[str, torch.Tensor]:
         out = outputs.detach()
-        loss = classification_loss(out, batch.labels).cpu().numpy()
+        loss = classification_loss(out, batch.labels)
         if self.spec.is_regression:
-            return {"pred": out.float().squeeze(-1).cpu().numpy(), "loss": loss}
-        return {"pred": out.argmax(-1).cpu().numpy(), "loss": loss}
+            return {"pred": out.float().squeeze(-1), "loss": loss}
+        return {"pred": out.argmax(-1), "loss": loss}
 
     def evaluate(self, split: str, predictions: dict[str, np.ndarray], feats: Features) -> Evaluation:
         pred = predictions["pred"]

@@ -170,7 +170,7 @@ class MaskedLM:
             loss = loss + F.cross_entropy(nsp_logits.float(), batch.labels["nsp"], reduction="sum") / norm["examples"]
         return loss
 
-    def predict(self, outputs, batch: Batch) -> dict[str, np.ndarray]:
+    def predict(self, outputs, batch: Batch) -> dict[str, torch.Tensor]:
         """Per sequence: masked tokens, correct predictions, summed loss (and NSP terms)."""
         logits, nsp_logits = outputs if self.cfg.nsp else (outputs, None)
         B, T = batch.input_ids.shape
@@ -186,7 +186,7 @@ class MaskedLM:
             nl = nsp_logits.detach().float()
             out["nsp_correct"] = (nl.argmax(-1) == batch.labels["nsp"]).double()
             out["nsp_loss"] = F.cross_entropy(nl, batch.labels["nsp"], reduction="none").double()
-        return {k: v.cpu().numpy() for k, v in out.items()}
+        return out
 
     def evaluate(self, split: str, predictions: dict[str, np.ndarray], data: Sequences) -> Evaluation:
         masked = float(predictions["masked"].sum())

@@ -208,7 +208,7 @@ class QuestionAnswering:
     def loss(self, model: nn.Module, outputs, batch: Batch, norm: dict[str, float]) -> torch.Tensor:
         return self._span_loss(outputs, batch, "sum") / norm["examples"]
 
-    def predict(self, outputs, batch: Batch) -> dict[str, np.ndarray]:
+    def predict(self, outputs, batch: Batch) -> dict[str, torch.Tensor]:
         """Start/end logit rows padded to --max-seq-length with NEG (every batch the same width), and
         each window's loss."""
         outputs = tuple(x.detach() for x in outputs)
@@ -216,10 +216,10 @@ class QuestionAnswering:
         B, T = start.shape
         rows = {}
         for name, x in (("start_logits", start), ("end_logits", end)):
-            full = np.full((B, self.cfg.max_seq_length), NEG, dtype=np.float32)
-            full[:, :T] = x.cpu().numpy()
+            full = torch.full((B, self.cfg.max_seq_length), NEG, dtype=torch.float32, device=x.device)
+            full[:, :T] = x
             rows[name] = full
-        rows["loss"] = self._span_loss(outputs, batch, "none").cpu().numpy()
+        rows["loss"] = self._span_loss(outputs, batch, "none")
         return rows
 
     def evaluate(self, split: str, predictions: dict[str, np.ndarray], data: SquadSplit) -> Evaluation:
