@@ -7,14 +7,15 @@
 #   HPCBERT_COMMIT=$(git rev-parse --short HEAD) bash benchmarks/gpu_queue.sh STEP [STEP...]
 #
 #   planner-base   bert-base, length 512, 8 GiB: each policy's planned batch against the probed one
-#                  (gpu.py large), then the dropped-step leak test and the planner's GPU test (~5 min)
+#                  (gpu.py large), then the dropped-step leak test and the planner's GPU tests, the
+#                  evaluation's peak too (~5 min)
 #   planner-large  bert-large, length 512, 16 GiB: the same probes, no tests (~1 min)
 #   mlm            masked-LM pre-training MFU and the compiled step's profile at batch 1024, with
 #                  TORCH_LOGS=recompiles: the guard behind the short last batch's recompile
 #   attention      attention kernels on one batch (Q, K and V as views too), then tests/test_unpad.py
 #   autotune       MFU at batch 1024, compiled by default and with max-autotune (minutes of compile)
 #
-# planner-base and planner-large fit one 10-minute call together (their parts' limits sum to 510 s);
+# planner-base and planner-large fit one 10-minute call together (their parts' limits sum to 570 s);
 # each of the others wants a call of its own. Results: $OUT/STEP.tar.gz (OUT: the device tool's
 # folder; default gpu-out). The data arguments of gpu_session.sh default to .gpudata/glue and
 # .gpudata/vocab (benchmarks/gpu_data.sh).
@@ -31,9 +32,9 @@ for step in "$@"; do
 done
 for step in "$@"; do
     case $step in  # gpu_session.sh's settings for the step
-        planner-base) vars=(PARTS="large tests" T_LARGE=180 T_TESTS=180
+        planner-base) vars=(PARTS="large tests" T_LARGE=180 T_TESTS=240
             LARGE_ARGS="--model bert-base --length 512 --memory 8GiB --steps 1 --policies none,selective,alternate,all --name large-base-8g-expandable"
-            TEST_PATHS="tests/test_gpu.py::test_a_step_dropped_before_backward_leaves_nothing_allocated tests/test_plan.py::test_predicted_largest_batch_against_probing_on_the_gpu") ;;
+            TEST_PATHS="tests/test_gpu.py::test_a_step_dropped_before_backward_leaves_nothing_allocated tests/test_plan.py::test_predicted_largest_batch_against_probing_on_the_gpu tests/test_plan.py::test_predicted_evaluation_peak_against_the_allocator_on_the_gpu") ;;
         planner-large) vars=(PARTS="large" T_LARGE=150
             LARGE_ARGS="--memory 16GiB --steps 2 --policies none,selective,alternate,all --name large-bert-large-16g-expandable") ;;
         mlm) vars=(PARTS="mfu-mlm profile" MFU_COMPILE=on MFU_BATCHES=1024 PROFILE_COMPILE=on TORCH_LOGS=recompiles
