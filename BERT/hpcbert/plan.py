@@ -119,9 +119,9 @@ class Plan:
     best_batch: int
     t_seq: float   # predicted seconds per sequence without recomputation
     t_opt: float   # predicted seconds of an optimizer step
-    gradients_held: bool = True   # the gradients' bytes held through the step (DDP, accumulation)
+    ddp: bool = True               # DDP's buckets hold the gradients' bytes, through the step and between steps
+    grad_accum: int = 1            # micro-batches per step (more than 1: the gradients held through the step)
     optimizer_step_bytes: int = 0  # what the optimizer's step allocates beyond its state
-    ddp: bool = True               # DDP's buckets hold the gradients' bytes between steps too
     eval_batch_size: int = 0       # the evaluation planned (--eval-batch-size); 0: none (--no-do-eval)
     eval_largest_batch: int = 0    # the largest evaluation batch that fits
     evaluation: object = dataclasses.field(default=None, repr=False, compare=False)  # meters.StepMemory; None: not counted
@@ -130,6 +130,11 @@ class Plan:
     @property
     def state_total(self) -> int:
         return sum(self.state_bytes.values())
+
+    @property
+    def gradients_held(self) -> bool:
+        """The gradients' bytes held through the step: under DDP (its buckets) and with --grad-accum > 1."""
+        return self.ddp or self.grad_accum > 1
 
     @property
     def held_bytes(self) -> int:
@@ -398,7 +403,8 @@ def make_plan(cfg: RunConfig, memory_bytes: int | None = None, device=None,
     peak, bw, link, _ = device_constants(device)
     t_seq = flops_per_sequence(mcfg, cfg.max_seq_length) / (peak * MFU_ASSUMED)
     t_opt = OPT_BYTES_PER_PARAM * params / bw
-    gradients_held = world_size is None or world_size > 1 or cfg.grad_accum > 1
+    ddp = world_size is None or world_size > 1
+    gradients_held = ddp or cfg.grad_accum > 1
     held = state["parameters"] + state["optimizer"] + (state["gradients"] if gradients_held else 0)
     opt_step = measure_optimizer_step(cfg, device, precision)
     plans = []
@@ -426,9 +432,8 @@ def make_plan(cfg: RunConfig, memory_bytes: int | None = None, device=None,
                                 largest / (largest * seq_time + t_opt) if largest else None, note, counted,
                                 step=step))
     best, batch = choose(plans, t_seq, t_opt)
-    ddp = world_size is None or world_size > 1
     made = Plan(cfg.model, cfg.max_seq_length, precision, cfg.optimizer, _device_name(device), int(memory_bytes),
-                state, plans, best, batch, t_seq, t_opt, gradients_held, opt_step, ddp)
+                state, plans, best, batch, t_seq, t_opt, ddp, cfg.grad_accum, opt_step)
     if cfg.do_eval:
         made.eval_batch_size = cfg.eval_batch_size
         made.evaluation, made.evaluation_note = evaluation_of(cfg, device, precision)
