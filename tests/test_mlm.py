@@ -26,7 +26,7 @@ from hpcbert import objectives
 from hpcbert.cli import main as hpcbert_main
 from hpcbert.config import RunConfig
 from hpcbert.data import masking
-from hpcbert.data.features import load_tokenizer, shard
+from hpcbert.data.features import Batch, load_tokenizer, shard
 from hpcbert.model import BertConfig, BertForMaskedLM, BertForPreTraining, hf_state_dict, load_pretrained
 from hpcbert.runfiles import read_metrics, read_summary
 from hpcbert.train import LRSchedule
@@ -302,6 +302,29 @@ def test_nsp_pairs(data_dir, tok_dir):
 
 
 # --- the head -------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("rows", [5, 37, 1216])  # fewer masked rows than predict's chunks, uneven, many
+def test_predictions_are_cross_entropy_and_argmax_of_every_masked_row(rows):
+    """predict's per-sequence sums against F.cross_entropy and argmax over the whole fp32 logits at
+    once, summed per sequence by numpy: the rows taken in chunks lose or repeat none."""
+    torch.manual_seed(rows)
+    B, T, V = 6, 256, 30522
+    positions = torch.randperm(B * T)[:rows].sort().values
+    labels = torch.randint(0, V, (rows,))
+    logits = (3 * torch.randn(rows, V)).bfloat16()
+    right = torch.arange(0, rows, 3)
+    logits[right, labels[right]] += 20  # some rows predicted right
+    batch = Batch(torch.zeros(B, T, dtype=torch.long), None, None,
+                  {"mlm_positions": positions, "mlm_labels": labels}, rows)
+    obj = objectives.get(RunConfig(task="mlm", data_dir="unread"))
+    got = objectives.to_host(obj.predict(logits, batch))
+    seq = positions.numpy() // T
+    ref_loss = F.cross_entropy(logits.float(), labels, reduction="none").numpy()
+    ref_right = (logits.float().numpy().argmax(-1) == labels.numpy()).astype(float)
+    assert np.array_equal(got["masked"], np.bincount(seq, minlength=B))
+    assert np.array_equal(got["correct"], np.bincount(seq, ref_right, minlength=B)) and ref_right.sum() > 0
+    np.testing.assert_allclose(got["loss"], np.bincount(seq, ref_loss.astype(np.float64), minlength=B), rtol=1e-6)
+
 
 def test_masked_only_logits_give_the_loss_and_gradients_of_full_logits():
     torch.manual_seed(0)

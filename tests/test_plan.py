@@ -305,14 +305,39 @@ def _evaluation_peak(task: str, mode: str, batch_size: int) -> dict:
             "predicted": {"between": made.held_between_steps, "evaluation": made.evaluation.peak(batch_size)}}
 
 
+def _predict_peak(rows: int, vocab: int) -> dict:
+    """glibc's most bytes in use beyond a masked LM's bf16 logits while its predict runs on them."""
+    in_use = malloc_in_use()
+    cfg = RunConfig(task="mlm", data_dir="unread", max_seq_length=128)
+    obj = objectives.get(cfg)
+    batch, _ = obj.example_batch(-(-rows // 19), 128, vocab)  # 19 masked positions a sequence
+    batch.labels["mlm_labels"] = batch.labels["mlm_labels"][:rows]
+    batch.labels["mlm_positions"] = batch.labels["mlm_positions"][:rows]
+    logits = torch.randn(rows, vocab).bfloat16()
+    m0 = in_use()
+    with _peak_mode(in_use)() as p:
+        objectives.to_host(obj.predict(logits, batch))
+    return {"logits": logits.untyped_storage().nbytes(), "beyond": p.peak - m0}
+
+
+def test_a_masked_lms_predictions_hold_a_quarter_of_its_logits_bytes_beside_them():
+    """An evaluation batch's masked-LM predictions (fp32 log-probabilities at the masked rows, for
+    the loss) take the rows in sixteenths: beside the bf16 logits they hold at most a quarter of
+    those logits' bytes (on CPU a sixteenth of the rows at twice the width, twice: the cast chunk and
+    its log-probabilities), not the whole rows' (2x, 4x with the fp32 copy predict used to make)."""
+    malloc_in_use()  # skips here where glibc cannot measure
+    got = _in_own_process("_predict_peak(4096, 30522)")
+    assert got["beyond"] <= 0.27 * got["logits"], got
+
+
 @pytest.mark.parametrize("task,batch", [("synthetic", 64), ("synthetic", 2), ("mlm", 64), ("squad", 64)])
 @pytest.mark.parametrize("mode", ["one-process", "ddp"])
 def test_predicted_evaluation_peak_within_5_percent_of_allocated(task, batch, mode):
     """An evaluation batch between steps (bert-tiny, bf16, length 128): what stays allocated there
     (parameters and AdamW's moments; under DDP also its gradient buckets, though every .grad is
     None) and the most an evaluation batch adds to it (autocast's weight copies, the layer in
-    flight, the outputs and the objective's predictions: a masked-LM's fp32 logits and per-token
-    losses at the masked rows), against glibc's bytes at a real one's peak."""
+    flight, the outputs and the objective's predictions: a masked-LM's fp32 log-probabilities at a
+    sixteenth of the masked rows, its per-token losses), against glibc's bytes at a real one's peak."""
     malloc_in_use()  # skips here where glibc cannot measure
     got = _in_own_process(f"_evaluation_peak({task!r}, {mode!r}, {batch})")
     for part in ("between", "evaluation"):
@@ -450,8 +475,8 @@ def test_auto_batch_and_policy_resolve_from_the_plan(monkeypatch):
 
 
 def test_auto_lowers_an_evaluation_batch_that_does_not_fit(monkeypatch):
-    """A masked-LM's evaluation batch holds its fp32 logits and per-token losses at the masked rows:
-    with memory for 63 of them beside the optimizer's state, --batch-size auto evaluates 63 at a
+    """A masked-LM's evaluation batch holds its logits and per-token losses at the masked rows: with
+    memory for 63 of them beside the optimizer's state, --batch-size auto evaluates 63 at a
     time, says so, and the table says what does not fit; --no-do-eval plans no evaluation."""
     cfg = RunConfig(task="mlm", data_dir="unread", model="bert-tiny", max_seq_length=128, precision="bf16",
                     grad_ckpt="all", batch_size="auto")
