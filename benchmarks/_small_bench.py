@@ -1,9 +1,11 @@
 """What the small one-process benchmark scripts (bench_head_rows.py, bench_model_ab.py,
-bench_norm_precision.py) share: the JSON they write (the command that made it, date, machine, rows)
-and the README generated from it."""
+bench_norm_precision.py, bench_token_multiple.py, bench_mlm_loss.py) share: their common options,
+the JSON they write (the command that made it, date, machine, rows) and the README generated from
+it."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import shlex
@@ -16,6 +18,17 @@ from typing import Callable
 import torch
 
 from hpcbert import meters
+
+
+def parser(doc: str, results: str, steps: int) -> argparse.ArgumentParser:
+    """The options every one of them takes: --steps, --threads (torch's; default the CPU's cores),
+    --out (default results/RESULTS) and --render (the README again from the JSON, nothing measured)."""
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--steps", type=int, default=steps)
+    p.add_argument("--threads", type=int, default=os.cpu_count())
+    p.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "results" / results))
+    p.add_argument("--render", action="store_true")
+    return p
 
 
 def commit() -> str:

@@ -15,9 +15,7 @@ step. Torch threads: CPU cores unless --threads says otherwise.
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
 import statistics
 import sys
 import time
@@ -94,13 +92,9 @@ def render_readme(out: Path) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = _small_bench.parser(__doc__, "head_rows", steps=36)
     p.add_argument("--model", default="minilm-l6")
     p.add_argument("--lengths", default="14,50", help="mean lengths (default: %(default)s: SST-2's and MRPC's)")
-    p.add_argument("--steps", type=int, default=36)
-    p.add_argument("--threads", type=int, default=os.cpu_count())
-    p.add_argument("--out", default=str(ROOT / "results" / "head_rows"))
-    p.add_argument("--render", action="store_true")
     a = p.parse_args(argv)
     out = Path(a.out)
     if not a.render:

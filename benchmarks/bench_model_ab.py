@@ -17,12 +17,10 @@ over batches of earlier / current step time within a batch, beside each side's m
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import functools
 import importlib.util
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -145,15 +143,11 @@ def git_commit(rev: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = _small_bench.parser(__doc__, "model_ab", steps=30)
     p.add_argument("--rev", help="the earlier commit (any git revision)")
     p.add_argument("--workloads", default=",".join(WORKLOADS), help="(default: %(default)s)")
-    p.add_argument("--steps", type=int, default=30)
-    p.add_argument("--threads", type=int, default=os.cpu_count())
-    p.add_argument("--out", default=str(ROOT / "results" / "model_ab"))
     p.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
                    help="bf16: every step under CPU bf16 autocast (default: %(default)s)")
-    p.add_argument("--render", action="store_true")
     a = p.parse_args(argv)
     out = Path(a.out)
     if not a.render:

@@ -15,8 +15,6 @@ the activations each side keeps for backward per sequence at the workload's long
 
 from __future__ import annotations
 
-import argparse
-import os
 import sys
 from pathlib import Path
 
@@ -84,12 +82,8 @@ def render_readme(out: Path) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = _small_bench.parser(__doc__, "norm_precision", steps=30)
     p.add_argument("--workloads", default=",".join(AB.WORKLOADS), help="(default: %(default)s)")
-    p.add_argument("--steps", type=int, default=30)
-    p.add_argument("--threads", type=int, default=os.cpu_count())
-    p.add_argument("--out", default=str(ROOT / "results" / "norm_precision"))
-    p.add_argument("--render", action="store_true")
     a = p.parse_args(argv)
     out = Path(a.out)
     if not a.render:

@@ -21,9 +21,7 @@ nothing to win back, which this measures too.
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
 import statistics
 import sys
 import time
@@ -129,18 +127,14 @@ def render_readme(out: Path) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = _small_bench.parser(__doc__, "token_multiple", steps=40)
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     p.add_argument("--model", default=None, help="a model name (default: bert-base on CUDA, minilm-l6 on CPU)")
     p.add_argument("--batch-size", type=int, default=None, help="(default: 256 on CUDA, 32 on CPU)")
     p.add_argument("--multiples", default="1,64", help="comma-separated, the first the reference (default: %(default)s)")
-    p.add_argument("--steps", type=int, default=40)
     p.add_argument("--lengths", default="8-128", help="LO-HI[,LO-HI...]: each sequence's length uniform in it, a row "
                    "of the table per range (default: %(default)s)")
     p.add_argument("--precision", choices=("fp32", "bf16"), default="bf16")
-    p.add_argument("--threads", type=int, default=os.cpu_count())
-    p.add_argument("--out", default=str(ROOT / "results" / "token_multiple"))
-    p.add_argument("--render", action="store_true")
     a = p.parse_args(argv)
     out = Path(a.out)
     if not a.render:

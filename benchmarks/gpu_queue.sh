@@ -10,8 +10,9 @@
 #                  (gpu.py large), then the dropped-step leak test and the planner's GPU tests, the
 #                  evaluation's peak too (~5 min)
 #   planner-large  bert-large, length 512, 16 GiB: the same probes, no tests (~1 min)
-#   mlm            masked-LM pre-training MFU and the compiled step's profile at batch 1024, with
-#                  TORCH_LOGS=recompiles: the guard behind the short last batch's recompile
+#   mlm            the masked-LM loss against torch's (bench_mlm_loss.py), then masked-LM pre-training
+#                  MFU and the compiled step's profile at batch 1024, with TORCH_LOGS=recompiles: the
+#                  guard behind the short last batch's recompile
 #   attention      attention kernels on one batch (Q, K and V as views too), then tests/test_unpad.py
 #   autotune       MFU at batch 1024, compiled by default and with max-autotune (minutes of compile)
 #
@@ -37,8 +38,8 @@ for step in "$@"; do
             TEST_PATHS="tests/test_gpu.py::test_a_step_dropped_before_backward_leaves_nothing_allocated tests/test_plan.py::test_predicted_largest_batch_against_probing_on_the_gpu tests/test_plan.py::test_predicted_evaluation_peak_against_the_allocator_on_the_gpu") ;;
         planner-large) vars=(PARTS="large" T_LARGE=150
             LARGE_ARGS="--memory 16GiB --steps 2 --policies none,selective,alternate,all --name large-bert-large-16g-expandable") ;;
-        mlm) vars=(PARTS="mfu-mlm profile" MFU_COMPILE=on MFU_BATCHES=1024 PROFILE_COMPILE=on TORCH_LOGS=recompiles
-            T_MFU_MLM=300 T_PROFILE=150) ;;
+        mlm) vars=(PARTS="mlm-loss mfu-mlm profile" MFU_COMPILE=on MFU_BATCHES=1024 PROFILE_COMPILE=on TORCH_LOGS=recompiles
+            T_MLM_LOSS=90 T_MFU_MLM=300 T_PROFILE=150) ;;
         attention) vars=(PARTS="attention tests" TEST_PATHS="tests/test_unpad.py" T_TESTS=200) ;;
         autotune) vars=(PARTS="mfu" MFU_COMPILE=on,max-autotune-no-cudagraphs MFU_BATCHES=1024 MFU_NORMS=low T_MFU=540) ;;
     esac

@@ -80,6 +80,10 @@ PARTS=" ${PARTS:-mfu large tests} "
 # filler rows (--token-multiple) against none, the same batches in one process (opt-in, ~1 min)
 [[ $PARTS == *" token-multiple "* ]] && part "${T_TOKEN_MULTIPLE:-120}" token-multiple \
     python3 benchmarks/bench_token_multiple.py ${TOKEN_MULTIPLE_ARGS:-} --out "$OUT/token_multiple"
+# the masked-LM loss against torch's F.cross_entropy(logits.float()), the same batches in one process
+# (opt-in, ~30 s; bert-base, batch 1024 as the masked-LM MFU runs)
+[[ $PARTS == *" mlm-loss "* ]] && part "${T_MLM_LOSS:-90}" mlm-loss \
+    python3 benchmarks/bench_mlm_loss.py --device cuda ${MLM_LOSS_ARGS:---models bert-base --batch 1024} --out "$OUT/mlm_loss"
 # Not in the default parts (the defaults fill one 10-minute call): PARTS=pareto in a call of its own
 [[ $PARTS == *" pareto "* ]] && part "${T_PARETO:-300}" pareto python3 benchmarks/pareto.py --rounds 3 ${PARETO_ARGS:-} \
     --results-dir "$OUT/pareto"

@@ -303,6 +303,41 @@ def test_nsp_pairs(data_dir, tok_dir):
 
 # --- the head -------------------------------------------------------------------------------------
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [5, 37])  # fewer masked rows than the loss's chunks, uneven
+def test_the_loss_is_torchs_cross_entropy_keeping_only_the_logits(dtype, rows):
+    """CrossEntropySum against F.cross_entropy(logits.float(), reduction="sum"), the loss it
+    replaced: the same loss and gradient (within fp32 rounding; at bf16 within one bf16 step of each
+    entry), under bf16 autocast as a run computes it; for backward it keeps the logits and the
+    labels, nothing else (torch keeps fp32 log-probabilities: 4 bytes an entry)."""
+    from hpcbert.objectives.mlm import CrossEntropySum
+
+    torch.manual_seed(rows)
+    V = 30522
+    logits = (3 * torch.randn(rows, V)).to(dtype).requires_grad_()
+    labels = torch.randint(0, V, (rows,))
+    kept = {}
+
+    def keep(t: torch.Tensor) -> torch.Tensor:
+        kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
+        with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+            ours = CrossEntropySum.apply(logits, labels) / 7
+        ref = F.cross_entropy(logits.float(), labels, reduction="sum") / 7
+    g_ours, = torch.autograd.grad(ours, logits)
+    g_ref, = torch.autograd.grad(ref, logits)
+    assert ours.dtype == torch.float32 and ours.item() == pytest.approx(ref.item(), rel=1e-6)
+    assert g_ours.dtype == dtype
+    if dtype == torch.bfloat16:
+        step = g_ref.float().abs() * 2.0**-7 + 1e-30  # one bf16 step: 8 bits of mantissa
+        assert ((g_ours.float() - g_ref.float()).abs() <= step).all()
+    else:
+        assert torch.allclose(g_ours.double(), g_ref.double(), rtol=1e-5, atol=1e-9)
+    assert sum(kept.values()) == rows * V * logits.element_size() + rows * 8
+
+
 @pytest.mark.parametrize("rows", [5, 37, 1216])  # fewer masked rows than predict's chunks, uneven, many
 def test_predictions_are_cross_entropy_and_argmax_of_every_masked_row(rows):
     """predict's per-sequence sums against F.cross_entropy and argmax over the whole fp32 logits at

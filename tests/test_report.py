@@ -895,6 +895,7 @@ def test_gpu_queue_steps_are_commands_the_tools_accept(tmp_path):
     assert sorted(p.name for p in out.iterdir()) == sorted(f"{s}.tar.gz" for s in steps)
     # gpu.py parts: large (twice), mfu-mlm, profile, mfu; each parsed its options and met the CPU
     assert log.count("benchmarks/gpu.py: needs a CUDA device") == 5 and "usage:" not in log, log[-3000:]
+    assert log.count("benchmarks/bench_mlm_loss.py: needs a CUDA device") == 1, log[-3000:]  # mlm's loss bench
     for step in steps:
         with tarfile.open(out / f"{step}.tar.gz") as t:
             names = set(t.getnames())

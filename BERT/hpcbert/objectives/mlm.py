@@ -38,7 +38,45 @@ from ..zoo import ModelSource
 from . import Evaluation, refuse_unread
 
 
-PREDICT_CHUNKS = 16  # predict takes the masked rows' fp32 log-probabilities in this many parts
+# The masked rows' fp32 (log-)probabilities are computed this many parts of the rows at a time, by
+# the loss each way and by predict: taken whole, an fp32 copy of the logits and their fp32
+# log-probabilities are 4x the bf16 logits (bert-base, length 512, 64 sequences: 0.6 GB each); in
+# sixteenths at most 0.25x (on CPU log_softmax and softmax first copy a part to fp32; CUDA's kernels
+# read the bf16). A fixed number of parts keeps the operations the same at every batch (the plan fits
+# each one's bytes to the batch, meters.StepMemory).
+CHUNKS = 16
+
+
+def _chunks(logits: torch.Tensor, labels: torch.Tensor):
+    return zip(logits.tensor_split(CHUNKS), labels.tensor_split(CHUNKS))
+
+
+class CrossEntropySum(torch.autograd.Function):
+    """sum over rows of -log softmax(logits)[label], in fp32, as F.cross_entropy(logits.float(),
+    labels, reduction="sum") computes it, for (m, V) logits at the masked rows. It keeps for backward
+    the logits as they came (bf16 under autocast: 2 bytes an entry) where F.cross_entropy keeps its
+    fp32 log-probabilities (4), and backward makes the gradient, softmax minus the label's one, a
+    part of the rows at a time with one fused softmax each (CHUNKS); F.cross_entropy makes a
+    zero-filled fp32 gradient of every entry first, then three more passes over them."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(logits, labels)
+        total = torch.zeros((), dtype=torch.float32, device=logits.device)
+        with torch.autocast(logits.device.type, enabled=False):
+            for part, target in _chunks(logits, labels):
+                total += F.nll_loss(F.log_softmax(part, dim=-1, dtype=torch.float32), target, reduction="sum")
+        return total
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        logits, labels = ctx.saved_tensors
+        out = torch.empty_like(logits)
+        for (part, target), into in zip(_chunks(logits, labels), out.tensor_split(CHUNKS)):
+            p = torch.softmax(part, dim=-1, dtype=torch.float32)
+            p[torch.arange(len(target), device=p.device), target] -= 1.0
+            torch.mul(p, grad, out=into)  # in fp32, written at the logits' dtype
+        return out, None
 
 
 @dataclass
@@ -168,7 +206,7 @@ class MaskedLM:
 
     def loss(self, model: nn.Module, outputs, batch: Batch, norm: dict[str, float]) -> torch.Tensor:
         logits, nsp_logits = outputs if self.cfg.nsp else (outputs, None)
-        loss = F.cross_entropy(logits.float(), batch.labels["mlm_labels"], reduction="sum") / max(norm["masked"], 1.0)
+        loss = CrossEntropySum.apply(logits, batch.labels["mlm_labels"]) / max(norm["masked"], 1.0)
         if nsp_logits is not None:
             loss = loss + F.cross_entropy(nsp_logits.float(), batch.labels["nsp"], reduction="sum") / norm["examples"]
         return loss
@@ -179,14 +217,9 @@ class MaskedLM:
         B, T = batch.input_ids.shape
         labels = batch.labels["mlm_labels"]
         row = torch.div(batch.labels["mlm_positions"], T, rounding_mode="floor")
-        # The masked rows' fp32 log-probabilities a sixteenth of the rows at a time (PREDICT_CHUNKS):
-        # taken whole, they and an fp32 copy of the logits are 4x the bf16 logits the forward holds
-        # (bert-base, length 512, an evaluation batch of 64: 0.6 GB each). In sixteenths at most 0.25x
-        # (on CPU log_softmax first copies a chunk to fp32; CUDA's kernel reads the bf16). A fixed
-        # number of chunks keeps the operations the same at every batch (the plan fits each one's
-        # bytes to the batch, meters.StepMemory); bf16 -> fp32 is exact, so the argmax is the fp32 one.
+        # a part of the rows at a time (CHUNKS); bf16 -> fp32 is exact, so the argmax is the fp32 one
         per_token, correct = [], []
-        for part, target in zip(logits.detach().tensor_split(PREDICT_CHUNKS), labels.tensor_split(PREDICT_CHUNKS)):
+        for part, target in _chunks(logits.detach(), labels):
             per_token.append(F.nll_loss(F.log_softmax(part, dim=-1, dtype=torch.float32), target, reduction="none"))
             correct.append(part.argmax(-1) == target)
         per_token, correct = torch.cat(per_token), torch.cat(correct)
