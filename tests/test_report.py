@@ -536,6 +536,7 @@ def _benchmark_script(name: str):
     ("bench_step_overhead", "step_overhead", "python benchmarks/bench_step_overhead.py --render"),
     ("bench_token_multiple", "token_multiple", "python benchmarks/bench_token_multiple.py --render"),
     ("bench_ddp_memory", "ddp_memory", "python benchmarks/bench_ddp_memory.py --render"),
+    ("bench_mlm_loss", "mlm_loss", "python benchmarks/bench_mlm_loss.py --render"),
     ("gpu", "gpu", "python benchmarks/gpu.py render"),
 ])
 def test_benchmark_readme_is_fresh(script, folder, command):
