@@ -57,7 +57,8 @@ class CrossEntropySum(torch.autograd.Function):
     the logits as they came (bf16 under autocast: 2 bytes an entry) where F.cross_entropy keeps its
     fp32 log-probabilities (4), and backward makes the gradient, softmax minus the label's one, a
     part of the rows at a time with one fused softmax each (CHUNKS); F.cross_entropy makes a
-    zero-filled fp32 gradient of every entry first, then three more passes over them."""
+    zero-filled fp32 gradient of every entry first, then three more passes over them. Every label
+    counts (no ignore_index: the objective passes the masked rows alone)."""
 
     @staticmethod
     def forward(ctx, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
