@@ -7,7 +7,8 @@ a transformers user computes, in one process on the same batches.
 
 One model (the named shape from hpcbert.zoo, random weights, dropout on) trains masked-LM batches of
 full sequences (--batch x --length, 15% of the positions masked, as the objective's memory probes
-mask them) under --precision autocast with fused AdamW; each batch runs a whole training step
+mask them) under --precision autocast with fused AdamW, the host allocator set as hpcbert train
+sets it (dist.tune_host_allocator: freed memory kept, not unmapped); each batch runs a whole training step
 (forward, the loss, backward, optimizer) once with each loss, in alternating order, so machine
 noise hits both alike. Figures: the median over batches of torch / hpcbert step time within a
 batch; the same for the loss alone (its forward and backward on the step's logits); and the bytes
@@ -108,7 +109,7 @@ def render_readme(out: Path) -> str:
              f"reduction=\"sum\")` on the same batches, one model trained with both alternately ({doc['precision']} "
              f"autocast, {doc['device']}); speed-up = median over batches of torch / hpcbert time within a batch: "
              "the whole training step, and the loss alone (its forward and its backward to the logits). Kept: "
-             "the bytes the loss keeps for backward.", "",
+             "the bytes the loss keeps for backward. The host allocator is set as `hpcbert train` sets it.", "",
              f"Measured {doc['date']} on {doc['machine']}; command: `{doc['command'].strip()}`", "",
              "| model | batch x length | masked rows x vocabulary | step ms, torch / hpcbert | step speed-up "
              "| loss ms, torch / hpcbert | loss speed-up | kept MiB, torch / hpcbert |",
