@@ -80,26 +80,26 @@ def _measure(policy: str, task: str = "synthetic") -> dict:
     so that nothing an earlier test left in the process (library buffers, threads, thread counts)
     allocates during the measurement: malloc's counters are process-wide."""
     in_use = malloc_in_use()
-    CFG = globals()["CFG"].replace(task=task, data_dir="unread" if task == "mlm" else None)
-    p = plan.make_plan(CFG, memory_bytes=8 * 2**30, device="cpu", policies_=(policy,))
+    cfg = CFG.replace(task=task, data_dir="unread" if task == "mlm" else None)
+    p = plan.make_plan(cfg, memory_bytes=8 * 2**30, device="cpu", policies_=(policy,))
     batch = 48
-    obj = objectives.get(CFG)
+    obj = objectives.get(cfg)
     # One throwaway step first, as a trainer has taken before its memory settles: the first real
     # forward and backward of a process allocate one-time buffers (a few MB: the math libraries'
     # per-thread scratch, autograd's worker) that belong to no batch and no policy.
-    warm = obj.build_model(plan._model_config(CFG)).train()
+    warm = obj.build_model(plan._model_config(cfg)).train()
     policies.wrap_layers(warm, policy)
-    wb, wn = obj.example_batch(batch, CFG.max_seq_length, warm.config.vocab_size)
+    wb, wn = obj.example_batch(batch, cfg.max_seq_length, warm.config.vocab_size)
     obj.loss(warm, obj.forward(warm, wb), wb, wn).backward()
-    make_optimizer(CFG, warm, 1e-4, torch.device("cpu")).step()
+    make_optimizer(cfg, warm, 1e-4, torch.device("cpu")).step()
     del warm, wb, wn
     torch.manual_seed(0)
     m0 = in_use()
-    model = obj.build_model(plan._model_config(CFG)).train()
+    model = obj.build_model(plan._model_config(cfg)).train()
     params = in_use() - m0
     policies.wrap_layers(model, policy)
-    opt = make_optimizer(CFG, model, 1e-4, torch.device("cpu"))
-    b, norm = obj.example_batch(batch, CFG.max_seq_length, model.config.vocab_size)
+    opt = make_optimizer(cfg, model, 1e-4, torch.device("cpu"))
+    b, norm = obj.example_batch(batch, cfg.max_seq_length, model.config.vocab_size)
     m1 = in_use()
     loss = obj.loss(model, obj.forward(model, b), b, norm)
     acts = in_use() - m1
