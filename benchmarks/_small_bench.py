@@ -1,5 +1,6 @@
 """What the small one-process benchmark scripts (bench_head_rows.py, bench_model_ab.py,
 bench_norm_precision.py, bench_token_multiple.py, bench_mlm_loss.py) share: their common options,
+the process set up as `hpcbert train` sets it up (threads, the host allocator),
 the JSON they write (the command that made it, date, machine, rows) and the README generated from
 it."""
 
@@ -17,7 +18,7 @@ from typing import Callable
 
 import torch
 
-from hpcbert import meters
+from hpcbert import dist, meters
 
 
 def parser(doc: str, results: str, steps: int) -> argparse.ArgumentParser:
@@ -29,6 +30,25 @@ def parser(doc: str, results: str, steps: int) -> argparse.ArgumentParser:
     p.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "results" / results))
     p.add_argument("--render", action="store_true")
     return p
+
+
+def setup(threads: int) -> str:
+    """The process as `hpcbert train` sets it up: torch's threads, and the host allocator keeping
+    freed memory (dist.tune_host_allocator; without it every large buffer a step frees is unmapped
+    and page-faulted again next step: bench_mlm_loss's first loss ratios, 3.9-4.2x, were 1.1-1.2x
+    with it). Returns the
+    allocator setting, for the JSON (`write(..., host_allocator=...)`)."""
+    torch.set_num_threads(threads)
+    return dist.tune_host_allocator()
+
+
+def allocator(doc: dict) -> str:
+    """The README's words for a JSON's host allocator; JSON written before setup() recorded it
+    measured under glibc's default."""
+    setting = doc.get("host_allocator")
+    if setting is None:
+        return "glibc's default (not set: measured before these benchmarks set it as `hpcbert train` does)"
+    return f"{setting}, as `hpcbert train` sets it" if setting == "glibc-retain" else setting
 
 
 def commit() -> str:

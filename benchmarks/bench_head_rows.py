@@ -83,7 +83,8 @@ def render_readme(out: Path) -> str:
              f"batch {BATCH}, lengths mean-1..mean+1) with the last layer's output projection and feed-forward on "
              "[CLS] alone, against the same model computing them at every token; both ways on every batch, "
              "alternating; speed-up = median over batches of every-row / head-rows step time.", "",
-             f"Measured {doc['date']} on {doc['machine']}; command: `{doc['command'].strip()}`", "",
+             f"Measured {doc['date']} on {doc['machine']}; host allocator: {_small_bench.allocator(doc)}; "
+             f"command: `{doc['command'].strip()}`", "",
              "| model | mean length | head rows step (ms) | every row step (ms) | speed-up |", "|---|---|---|---|---|"]
     for r in doc["rows"]:
         lines.append(f"| {r['model']} | {r['mean_length']} | {1e3 * r['head_rows_step_s']:.1f} | "
@@ -98,9 +99,9 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     out = Path(a.out)
     if not a.render:
-        torch.set_num_threads(a.threads)
+        alloc = _small_bench.setup(a.threads)
         rows = [measure(a.model, int(s), a.steps, a.threads) for s in a.lengths.split(",")]
-        _small_bench.write(out, "bench_head_rows", argv, a.threads, rows)
+        _small_bench.write(out, "bench_head_rows", argv, a.threads, rows, host_allocator=alloc)
     _small_bench.write_readme(out, render_readme)
     return 0
 

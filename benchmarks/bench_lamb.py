@@ -31,7 +31,7 @@ sys.path.insert(0, str(ROOT / "tests"))  # the per-tensor reference lives with t
 
 import torch  # noqa: E402
 
-from hpcbert import meters, zoo  # noqa: E402
+from hpcbert import dist, meters, zoo  # noqa: E402
 from hpcbert.model import BertForSequenceClassification  # noqa: E402
 from hpcbert.optim import Lamb, param_groups  # noqa: E402
 from test_lamb import LoopLamb  # noqa: E402
@@ -61,6 +61,7 @@ def timed_step(opt: torch.optim.Optimizer, device: torch.device) -> tuple[float,
 def measure(a) -> dict:
     device = torch.device(a.device)
     torch.set_num_threads(a.threads)
+    allocator = dist.tune_host_allocator()  # as hpcbert train sets it: freed buffers kept, not unmapped each step
     torch.manual_seed(0)
     cfg = zoo.resolve(a.model).config
     model = BertForSequenceClassification(cfg).to(device)
@@ -99,7 +100,7 @@ def measure(a) -> dict:
             "warmup_steps": a.warmup, "repeats": a.repeats, "device": str(device),
             "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else meters.cpu_name(),
             "machine": platform.machine(), "cores": os.cpu_count(), "threads": torch.get_num_threads(),
-            "torch": torch.__version__, "python": platform.python_version(),
+            "torch": torch.__version__, "python": platform.python_version(), "host_allocator": allocator,
             "load_average_1min": [load_before, os.getloadavg()[0]], "other_work_cores": statistics.mean(other),
             "other_work_cores_per_repeat": other,
             "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
@@ -130,7 +131,9 @@ def render(res: dict) -> str:
         f"{m['warmup_steps']} warm-up steps each, then {m['repeats']} repeats, each timing one step of both "
         f"in alternating order. The machine was shared: 1-minute load average {m['load_average_1min'][0]:.1f} "
         f"before, {m['load_average_1min'][1]:.1f} after; other processes kept {m['other_work_cores']:.2f} "
-        f"cores busy on average while the repeats ran. {m['date_utc']} UTC.",
+        f"cores busy on average while the repeats ran. Host allocator: "
+        f"{m.get('host_allocator', 'glibc default (not set: measured before the benchmark set it)')}. "
+        f"{m['date_utc']} UTC.",
         "",
         "| implementation | step time (ms, median) | step time (ms, fastest) | CPU time (ms, median) |",
         "|---|---:|---:|---:|",

@@ -31,7 +31,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import _small_bench  # noqa: E402
-from hpcbert import dist, objectives, policies, zoo  # noqa: E402
+from hpcbert import objectives, policies, zoo  # noqa: E402
 from hpcbert.config import RunConfig  # noqa: E402
 from hpcbert.model import BertConfig  # noqa: E402
 from hpcbert.objectives.mlm import CrossEntropySum  # noqa: E402
@@ -136,12 +136,11 @@ def main(argv: list[str] | None = None) -> int:
         if device.type == "cuda" and not torch.cuda.is_available():
             print("benchmarks/bench_mlm_loss.py: needs a CUDA device (--device cuda)", file=sys.stderr)
             return 2
-        torch.set_num_threads(a.threads)
-        dist.tune_host_allocator()  # as hpcbert train runs (results/step_overhead/)
+        alloc = _small_bench.setup(a.threads)  # the host allocator as hpcbert train sets it (results/step_overhead/)
         rows = [measure(model, a.batch, a.length, a.steps, a.precision, device) for model in a.models.split(",")]
         _small_bench.write(out, "bench_mlm_loss", argv, a.threads, rows, commit=_small_bench.commit(),
                            precision=a.precision, device=torch.cuda.get_device_name(device) if device.type == "cuda"
-                           else "cpu")
+                           else "cpu", host_allocator=alloc)
     _small_bench.write_readme(out, render_readme)
     return 0
 

@@ -127,7 +127,8 @@ def render_readme(out: Path) -> str:
              f"random weights (the same on both), dropout, {doc.get('precision', 'fp32')}, fused AdamW; every batch "
              "trains both models, "
              "alternating; speed-up = median over batches of earlier / current step time.", "",
-             f"Measured {doc['date']} on {doc['machine']}; command: `{doc['command'].strip()}`", "",
+             f"Measured {doc['date']} on {doc['machine']}; host allocator: {_small_bench.allocator(doc)}; "
+             f"command: `{doc['command'].strip()}`", "",
              "| workload | head | batch | lengths | current step (ms) | earlier step (ms) | speed-up |",
              "|---|---|---|---|---|---|---|"]
     for r in doc["rows"]:
@@ -153,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     if not a.render:
         if not a.rev:
             p.error("--rev is required unless --render")
-        torch.set_num_threads(a.threads)
+        alloc = _small_bench.setup(a.threads)
         with tempfile.TemporaryDirectory() as tmp:
             earlier = load_model_file(a.rev, Path(tmp))
             cast = functools.partial(policies.autocast, a.precision, torch.device("cpu"))
@@ -162,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
                                capture_output=True, text=True).stdout.strip()
         _small_bench.write(out, "bench_model_ab", argv, a.threads, rows, rev=a.rev, earlier=git_commit(a.rev),
                            current=git_commit("HEAD") + (" + uncommitted model.py" if dirty else ""),
-                           precision=a.precision)
+                           precision=a.precision, host_allocator=alloc)
     _small_bench.write_readme(out, render_readme)
     return 0
 

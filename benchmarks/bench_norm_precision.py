@@ -69,7 +69,8 @@ def render_readme(out: Path) -> str:
              "autocast, fused AdamW; every batch trains both models, alternating; speed-up = median over batches "
              "of the fp32-LayerNorm step time / the low one's. Bytes: activations kept for backward per "
              "sequence at the longest length of the workload.", "",
-             f"Measured {doc['date']} on {doc['machine']}; command: `{doc['command'].strip()}`", "",
+             f"Measured {doc['date']} on {doc['machine']}; host allocator: {_small_bench.allocator(doc)}; "
+             f"command: `{doc['command'].strip()}`", "",
              "| workload | head | batch | lengths | low step (ms) | fp32 step (ms) | speed-up | low MiB/seq | "
              "fp32 MiB/seq | bytes, low / fp32 |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in doc["rows"]:
@@ -87,12 +88,13 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     out = Path(a.out)
     if not a.render:
-        torch.set_num_threads(a.threads)
+        alloc = _small_bench.setup(a.threads)
         rows = [measure(w, a.steps, a.threads) for w in a.workloads.split(",")]
         for r in rows:
             print(f"{r['workload']}: speed-up {r['speedup_median']:.3f}x, bytes {r['low_bytes'] / r['fp32_bytes']:.2f}x",
                   file=sys.stderr)
-        _small_bench.write(out, "bench_norm_precision", argv, a.threads, rows, commit=AB.git_commit("HEAD"))
+        _small_bench.write(out, "bench_norm_precision", argv, a.threads, rows, commit=AB.git_commit("HEAD"),
+                           host_allocator=alloc)
     _small_bench.write_readme(out, render_readme)
     return 0
 

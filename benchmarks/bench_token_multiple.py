@@ -37,7 +37,6 @@ import torch  # noqa: E402
 import _small_bench  # noqa: E402
 from hpcbert import model as M, policies, zoo  # noqa: E402
 from hpcbert.data.features import Batch  # noqa: E402
-from hpcbert.dist import tune_host_allocator  # noqa: E402
 
 LENGTHS = (8, 128)  # hpcbert's synthetic task: each sequence's length uniform in this range
 
@@ -148,11 +147,11 @@ def main(argv: list[str] | None = None) -> int:
             assert all(len(r) == 2 and 1 <= r[0] <= r[1] for r in ranges)
         except (ValueError, AssertionError):
             p.error(f"--lengths {a.lengths}: ranges LO-HI, comma-separated, 1 <= LO <= HI")
-        torch.set_num_threads(a.threads)
-        tune_host_allocator()  # as `hpcbert train` sets it
+        alloc = _small_bench.setup(a.threads)
         rows = [measure(a.model or ("bert-base" if cuda else "minilm-l6"), a.batch_size or (256 if cuda else 32),
                         multiples, a.steps, device, a.precision, r) for r in ranges]
-        _small_bench.write(out, "bench_token_multiple", argv, a.threads, rows, commit=_small_bench.commit())
+        _small_bench.write(out, "bench_token_multiple", argv, a.threads, rows, commit=_small_bench.commit(),
+                           host_allocator=alloc)
         for row in rows:
             for s in row["sides"]:
                 print(f"lengths {row['lengths']}, token multiple {s['token_multiple']}: "
