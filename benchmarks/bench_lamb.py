@@ -28,10 +28,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "BERT"))
 sys.path.insert(0, str(ROOT / "tests"))  # the per-tensor reference lives with the tests
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import torch  # noqa: E402
 
-from hpcbert import dist, meters, zoo  # noqa: E402
+import _small_bench  # noqa: E402
+from hpcbert import meters, zoo  # noqa: E402
 from hpcbert.model import BertForSequenceClassification  # noqa: E402
 from hpcbert.optim import Lamb, param_groups  # noqa: E402
 from test_lamb import LoopLamb  # noqa: E402
@@ -60,8 +62,7 @@ def timed_step(opt: torch.optim.Optimizer, device: torch.device) -> tuple[float,
 
 def measure(a) -> dict:
     device = torch.device(a.device)
-    torch.set_num_threads(a.threads)
-    allocator = dist.tune_host_allocator()  # as hpcbert train sets it: freed buffers kept, not unmapped each step
+    allocator = _small_bench.setup(a.threads)  # threads and the host allocator, as hpcbert train sets them
     torch.manual_seed(0)
     cfg = zoo.resolve(a.model).config
     model = BertForSequenceClassification(cfg).to(device)
@@ -131,8 +132,7 @@ def render(res: dict) -> str:
         f"{m['warmup_steps']} warm-up steps each, then {m['repeats']} repeats, each timing one step of both "
         f"in alternating order. The machine was shared: 1-minute load average {m['load_average_1min'][0]:.1f} "
         f"before, {m['load_average_1min'][1]:.1f} after; other processes kept {m['other_work_cores']:.2f} "
-        f"cores busy on average while the repeats ran. Host allocator: "
-        f"{m.get('host_allocator', 'glibc default (not set: measured before the benchmark set it)')}. "
+        f"cores busy on average while the repeats ran. Host allocator: {_small_bench.allocator(m)}. "
         f"{m['date_utc']} UTC.",
         "",
         "| implementation | step time (ms, median) | step time (ms, fastest) | CPU time (ms, median) |",

@@ -571,13 +571,12 @@ def test_small_benchmarks_set_the_host_allocator_before_they_measure(script, arg
     def measured(*args, **kwargs):
         raise AssertionError(f"benchmarks/{script}.py measured before it set the host allocator")
 
+    monkeypatch.setattr(module._small_bench, "setup", set_up)
     if argv is None:  # bench_lamb: its own options; measure() sets the process up, then times
-        monkeypatch.setattr(module.dist, "tune_host_allocator", set_up)
         monkeypatch.setattr(module, "timed_step", measured)
         with pytest.raises(_SetUp):
             module.measure(argparse.Namespace(device="cpu", threads=torch.get_num_threads()))
         return
-    monkeypatch.setattr(module._small_bench, "setup", set_up)
     monkeypatch.setattr(module, "measure", measured)
     with pytest.raises(_SetUp):
         module.main([*argv, "--out", str(tmp_path)])
