@@ -1516,7 +1516,9 @@ def _machine_line(doc: dict, trainer_packages: bool = True) -> str:
     datasets are left out (runs that differ only in them group together)."""
     m = doc["machine"]
     dev = f", GPU {m['cuda']}" if m.get("cuda") else ""
-    extra = f", accelerate {m['accelerate']}, datasets {m['datasets']}" if trainer_packages else ""
+    extra = f", accelerate {m['accelerate']}" if trainer_packages else ""
+    if trainer_packages and m.get("datasets"):  # where installed (machine_info); the worker needs it not
+        extra += f", datasets {m['datasets']}"
     return (f"{m['cpu']}, {m['cores']} cores, {m['threads']} threads per run{dev}; native bf16: "
             f"{'yes' if m['native_bf16'] else 'no'}; Python {m['python']}, torch {m['torch']}, transformers "
             f"{m['transformers']}{extra}; hpcbert: "

@@ -964,10 +964,10 @@ def test_gpu_queue_steps_are_commands_the_tools_accept(tmp_path):
 
 
 def _trainer_worker_or_skip() -> Path:
-    """What compare_hf.py's Trainer worker needs here ([bench] extras, the minilm-l6 tokenizer):
-    the tokenizer's folder, or the test skips."""
-    for mod in ("datasets", "accelerate"):
-        pytest.importorskip(mod, reason="the Trainer worker needs the [bench] extras")
+    """What compare_hf.py's Trainer worker needs here (transformers' Trainer with accelerate, both in
+    the [test] extras; the minilm-l6 tokenizer): the tokenizer's folder, or the test skips."""
+    for mod in ("transformers", "accelerate"):
+        pytest.importorskip(mod, reason="the Trainer worker needs transformers and accelerate (the [test] extras)")
     from hpcbert.zoo import minilm_dir
 
     try:
