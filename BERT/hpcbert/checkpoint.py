@@ -30,6 +30,8 @@ from typing import Any, Callable
 
 import torch
 
+from .runfiles import sha256_file
+
 MANIFEST = "MANIFEST.json"
 _NAME = re.compile(r"^step-(\d{8})$")
 
@@ -79,14 +81,6 @@ def _fresh_dir(path: Path) -> None:
     if path.exists():
         shutil.rmtree(path)  # left by a save that was killed
     path.mkdir(parents=True)
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 class CheckpointManager:
@@ -200,7 +194,7 @@ class CheckpointManager:
                 raise CheckpointError(f"{f}: missing")
             if f.stat().st_size != meta["bytes"]:
                 raise CheckpointError(f"{f}: {f.stat().st_size} bytes, manifest says {meta['bytes']} (truncated?)")
-            if _sha256(f) != meta["sha256"]:
+            if sha256_file(f) != meta["sha256"]:
                 raise CheckpointError(f"{f}: checksum does not match the manifest (damaged)")
         return Checkpoint(path, step, world)
 

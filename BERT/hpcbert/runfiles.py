@@ -10,6 +10,7 @@ never sees half a file. `train.py` writes them, `report/` reads them; both use t
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import tempfile
@@ -104,6 +105,15 @@ METRIC_KEYS = ("step", "epoch", "loss", "lr", "grad_norm", "step_time_s", "seque
 # An evaluation during training (--eval-every) is a line of its own: step, epoch, "loss" null, "eval"
 # {split: {metric: value}}, tokens_seen and sequences_seen (training tokens / sequences done), elapsed_s
 # (this segment) and run_time_s (seconds from the start of the run, all segments).
+
+
+def sha256_file(path: str | os.PathLike) -> str:
+    """The hex sha256 of a file's bytes, read 4 MiB at a time (hashlib.file_digest from Python 3.11)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+    return h.hexdigest()
 
 
 def write_text_atomic(path: str | os.PathLike, text: str) -> None:

@@ -22,6 +22,8 @@ import numpy as np
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
+from ..runfiles import sha256_file
+
 FEATURE_VERSION = 1  # bump when the feature layout or tokenisation rules change
 
 
@@ -114,11 +116,7 @@ def cached_features(source: Path, tok, max_seq_length: int, build, cache_dir: st
     bytes, the tokenizer's serialised form, the length, FEATURE_VERSION and any other settings
     the features depend on (`params`, e.g. SQuAD's doc_stride). `kind` is the Features type whose
     `load` reads the file back (one with extra arrays saves them itself). Returns (features, hit)."""
-    h = hashlib.sha256()
-    with open(source, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    key = f"{h.hexdigest()[:16]}-{tokenizer_fingerprint(tok)}-L{max_seq_length}-v{FEATURE_VERSION}"
+    key = f"{sha256_file(source)[:16]}-{tokenizer_fingerprint(tok)}-L{max_seq_length}-v{FEATURE_VERSION}"
     if params:
         key += "-" + "-".join(f"{k}{v}" for k, v in sorted(params.items()))
     cdir = Path(cache_dir) if cache_dir else default_cache_dir()

@@ -55,6 +55,8 @@ from pathlib import Path
 
 import numpy as np
 
+from ..runfiles import sha256_file
+
 FORMAT_VERSION = 2  # bump when the layout of the files or the cleaning rules change (2: line offsets)
 METADATA = "metadata.json"
 SPLITS = ("train", "eval")
@@ -303,13 +305,6 @@ def _encoded_batches(tok, docs, dtype: np.dtype, workers: int):
 
 # --- writing ---------------------------------------------------------------------------------------
 
-def _sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
 
 def _save_array(out: Path, name: str, arr: np.ndarray) -> dict:
     """Write arr as out/name via name.tmp + rename (a reader never sees a partial shard)."""
@@ -317,7 +312,7 @@ def _save_array(out: Path, name: str, arr: np.ndarray) -> dict:
     with open(tmp, "wb") as f:
         np.save(f, arr, allow_pickle=False)
     os.replace(tmp, out / name)
-    return {"file": name, "dtype": arr.dtype.name, "length": int(arr.shape[0]), "sha256": _sha256_file(out / name)}
+    return {"file": name, "dtype": arr.dtype.name, "length": int(arr.shape[0]), "sha256": sha256_file(out / name)}
 
 
 @dataclass
@@ -415,7 +410,7 @@ def _resumable(out: Path, header: dict, log) -> dict | None:
             for sh in w["shards"]:
                 for kind in ("tokens", "offsets", "lines"):
                     f = out / sh[kind]["file"]
-                    if not f.is_file() or _sha256_file(f) != sh[kind]["sha256"]:
+                    if not f.is_file() or sha256_file(f) != sh[kind]["sha256"]:
                         log(f"prepare-pretraining: {f}: missing or changed since {PROGRESS}; starting over")
                         return None
         return prog
@@ -653,7 +648,7 @@ def _open_array(data_dir: Path, entry: dict, verify_sha256: bool) -> np.ndarray:
     if arr.shape[0] != entry["length"]:
         raise ValueError(f"{path}: wrong length {arr.shape[0]}, {METADATA} says {entry['length']}")
     if verify_sha256:
-        got = _sha256_file(path)
+        got = sha256_file(path)
         if got != entry["sha256"]:
             raise ValueError(f"{path}: sha256 {got[:16]}... differs from {METADATA} ({entry['sha256'][:16]}...)")
     return arr
