@@ -108,7 +108,8 @@ METRIC_KEYS = ("step", "epoch", "loss", "lr", "grad_norm", "step_time_s", "seque
 
 
 def sha256_file(path: str | os.PathLike) -> str:
-    """The hex sha256 of a file's bytes, read 4 MiB at a time (hashlib.file_digest from Python 3.11)."""
+    """The hex sha256 of a file's bytes, read 4 MiB at a time (hashlib.file_digest does this from Python
+    3.11; the package supports 3.10)."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 22), b""):
