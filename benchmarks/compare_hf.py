@@ -1517,7 +1517,7 @@ def _machine_line(doc: dict, trainer_packages: bool = True) -> str:
     m = doc["machine"]
     dev = f", GPU {m['cuda']}" if m.get("cuda") else ""
     extra = f", accelerate {m['accelerate']}" if trainer_packages else ""
-    if trainer_packages and m.get("datasets"):  # where installed (machine_info); the worker needs it not
+    if trainer_packages and m.get("datasets"):  # recorded where installed; the worker does not need it
         extra += f", datasets {m['datasets']}"
     return (f"{m['cpu']}, {m['cores']} cores, {m['threads']} threads per run{dev}; native bf16: "
             f"{'yes' if m['native_bf16'] else 'no'}; Python {m['python']}, torch {m['torch']}, transformers "
