@@ -905,6 +905,91 @@ def add_dir_options(sp, results: Path, work: Path, work_help: str) -> None:
                     "instead of the working tree's BERT/")
 
 
+def add_trainer_worker_options(p, *, epochs: float, warmup_excluded: int) -> None:
+    """The `_hf-worker` options the two scripts beside this one share (each adds its data's own)."""
+    p.add_argument("--out", required=True)
+    p.add_argument("--scratch", required=True)
+    p.add_argument("--padding", choices=("max_length", "dynamic"), required=True)
+    p.add_argument("--group-by-length", action="store_true")
+    p.add_argument("--seed", type=int, required=True)
+    p.add_argument("--max-steps", type=int, default=None)
+    p.add_argument("--epochs", type=float, default=epochs)
+    p.add_argument("--warmup-steps-excluded", type=int, default=warmup_excluded)
+    p.add_argument("--do-eval", action="store_true")
+    p.add_argument("--deadline", type=float, default=None,
+                   help="epoch seconds: stop training before it with a checkpoint in --scratch and exit 3 "
+                        "(the same command resumes from it)")
+
+
+def trainer_worker_flags(*, group_by_length: bool, max_steps: int | None, do_eval: bool) -> list[str]:
+    """The tail of a `_hf-worker` command line: the options add_trainer_worker_options takes as switches."""
+    return ((["--group-by-length"] if group_by_length else []) + (["--max-steps", str(max_steps)]
+            if max_steps is not None else []) + (["--do-eval"] if do_eval else []))
+
+
+def trainer_stopped_early(trainer, total: int, say) -> bool:
+    """Whether train_resumable's deadline stopped the run before its `total` steps (the worker then exits 3)."""
+    if trainer.state.global_step >= total:
+        return False
+    say(f"stopped at step {trainer.state.global_step}/{total} before the deadline; run again to resume")
+    return True
+
+
+def trainer_result(a, args, model, trainer, timer, total: int, precision: str, timings: tuple, **fields) -> dict:
+    """A finished `_hf-worker` run's record (before evaluation): how it ran, `fields` (the data's own
+    counts), and trainer_figures; `timings` = (train_out, t_process, t_train, t_done)."""
+    return {
+        "side": "transformers.Trainer", "padding": a.padding, "group_by_length": a.group_by_length,
+        "precision": precision, "seed": a.seed, "optim": str(getattr(args.optim, "value", args.optim)),
+        "sampler": args.train_sampling_strategy,
+        "attn_implementation": getattr(model.config, "_attn_implementation", None), **fields,
+        "warmup_steps": warmup_steps(total), "total_steps": total,
+        **trainer_figures(trainer, timer, a.warmup_steps_excluded, *timings),
+        "eval": {},
+    }
+
+
+def finished_hpcbert_accuracy_run(out: Path, args: list[str], threads: int) -> tuple[dict, dict] | None:
+    """hpcbert's side of an accuracy run in `out` once finished (None while its deadline stopped it):
+    (its summary.json, the record's fields the two scripts share)."""
+    from hpcbert.runfiles import read_summary
+    s = read_summary(out)
+    if s["stopped_by"] not in ("epochs", "max_steps"):
+        return None
+    return s, {"run_dir": os.path.relpath(out, ROOT), "argv": ["hpcbert", "train", *args, "--threads", str(threads)],
+               "sampler": "length-grouped", "padding": "dynamic", "resumed_from_step": s["resumed_from_step"]}
+
+
+def add_pair_options(sp, pairs: dict, *, steps: int | None, steps_help: str, warmup_excluded: int) -> None:
+    """The `throughput` command's options: which pair, which repeat, steps per run."""
+    sp.add_argument("--pair", choices=tuple(pairs), required=True)
+    sp.add_argument("--repeat", type=int, required=True)
+    sp.add_argument("--steps", type=int, default=steps, help=steps_help)
+    sp.add_argument("--warmup-excluded", type=int, default=warmup_excluded)
+
+
+def pair_call(a, path: Path, doc: dict, labels: tuple[str, str], threads: int, run_side, say) -> int:
+    """One repeat (`a.repeat`) of one interleaved pair (`a.pair`) into throughput.json at `path`:
+    `run_side(side, name)` runs one side ("hpcbert" or "hf") and returns its record. The side that runs
+    first alternates from repeat to repeat, so slow drift hits both alike; each record is labelled
+    (`labels`: hpcbert's, the Trainer's), replaces any earlier one of its (pair, repeat, side), and the
+    file is written after each side."""
+    call = header("throughput", threads)
+    call.update(pair=a.pair, repeat=a.repeat)
+    doc["calls"].append(call)
+    for side in ("hpcbert", "hf") if a.repeat % 2 else ("hf", "hpcbert"):
+        rec = run_side(side, f"tp-{a.pair}-{side}-r{a.repeat}")
+        rec["label"] = labels[side != "hpcbert"]
+        rec.update(pair=a.pair, repeat=a.repeat, side=side, command=call["command"])
+        doc["runs"] = [r for r in doc["runs"] if (r["pair"], r["repeat"], r["side"]) != (a.pair, a.repeat, side)]
+        doc["runs"].append(rec)
+        say(f"  tp-{a.pair}-{side}-r{a.repeat}: {rec['steady_sequences_per_sec']:.3f} seq/s, "
+            f"{rec['padded_tokens_per_seq']:.1f} padded tokens/seq (other work: "
+            f"{rec['noise']['other_cores_during']:.2f} cores)")
+        write_json(path, doc)
+    return 0
+
+
 def run_segment(cmd: list[str], log: Path, env: dict) -> tuple[int, dict]:
     """Run `cmd` from the project root, appending to `log` (one accuracy run's segments share it);
     returns (exit status, noise) and leaves a failure to the caller."""

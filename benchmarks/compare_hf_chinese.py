@@ -93,20 +93,9 @@ def hf_worker(argv: list[str]) -> int:
     """One Trainer run as run_classification.py does it, from random weights; writes one JSON."""
     p = argparse.ArgumentParser(prog="compare_hf_chinese.py _hf-worker")
     p.add_argument("--shape", choices=("mini", "base"), required=True)
-    p.add_argument("--out", required=True)
-    p.add_argument("--scratch", required=True)
-    p.add_argument("--padding", choices=("max_length", "dynamic"), required=True)
-    p.add_argument("--group-by-length", action="store_true")
-    p.add_argument("--seed", type=int, required=True)
     p.add_argument("--batch-size", type=int, required=True)
     p.add_argument("--lr", type=float, required=True)
-    p.add_argument("--epochs", type=float, default=ACC_EPOCHS)
-    p.add_argument("--max-steps", type=int, default=None)
-    p.add_argument("--warmup-steps-excluded", type=int, default=3)
-    p.add_argument("--do-eval", action="store_true")
-    p.add_argument("--deadline", type=float, default=None,
-                   help="epoch seconds: stop training before it with a checkpoint in --scratch and exit 3 "
-                        "(the same command resumes from it)")
+    C.add_trainer_worker_options(p, epochs=ACC_EPOCHS, warmup_excluded=3)
     a = p.parse_args(argv)
     t_process = time.perf_counter()
 
@@ -144,20 +133,13 @@ def hf_worker(argv: list[str]) -> int:
         model, tok, train_ds, collator, scratch=a.scratch, batch=a.batch_size, lr=a.lr, epochs=a.epochs,
         max_steps=a.max_steps, total=total, seed=a.seed, group_by_length=a.group_by_length, threads=THREADS,
         deadline=a.deadline)
-    if trainer.state.global_step < total:
-        say(f"stopped at step {trainer.state.global_step}/{total} before the deadline; run again to resume")
+    if C.trainer_stopped_early(trainer, total, say):
         return 3
 
-    result = {
-        "side": "transformers.Trainer", "padding": a.padding, "group_by_length": a.group_by_length,
-        "precision": PRECISION, "seed": a.seed, "optim": str(getattr(args.optim, "value", args.optim)),
-        "sampler": args.train_sampling_strategy, "attn_implementation": getattr(model.config, "_attn_implementation", None),
-        "vocab_size": model.config.vocab_size, "num_layers": model.config.num_hidden_layers,
-        "hidden_size": model.config.hidden_size, "train_examples": len(train_ds),
-        "warmup_steps": C.warmup_steps(total), "total_steps": total,
-        **C.trainer_figures(trainer, timer, a.warmup_steps_excluded, train_out, t_process, t_train, t_done),
-        "eval": {},
-    }
+    result = C.trainer_result(
+        a, args, model, trainer, timer, total, PRECISION, (train_out, t_process, t_train, t_done),
+        vocab_size=model.config.vocab_size, num_layers=model.config.num_hidden_layers,
+        hidden_size=model.config.hidden_size, train_examples=len(train_ds))
     if a.do_eval:
         pred = trainer.predict(dev_ds)
         preds = np.argmax(pred.predictions, axis=-1)
@@ -177,13 +159,7 @@ def hf_cmd(name: str, work: Path, out_json: Path, *, shape: str, padding: str, g
            "--scratch", str(work / "hf-scratch" / name), "--padding", padding, "--seed", str(seed),
            "--batch-size", str(batch), "--lr", str(lr), "--epochs", f"{ACC_EPOCHS:g}",
            "--warmup-steps-excluded", str(warmup_excluded)]
-    if group_by_length:
-        cmd.append("--group-by-length")
-    if max_steps is not None:
-        cmd += ["--max-steps", str(max_steps)]
-    if do_eval:
-        cmd.append("--do-eval")
-    return cmd
+    return cmd + C.trainer_worker_flags(group_by_length=group_by_length, max_steps=max_steps, do_eval=do_eval)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -227,15 +203,13 @@ def accuracy_segment(side: str, seed: int, work: Path, segment_s: float) -> dict
     base = {"side": side, "seed": seed, "segments": len(segments), "wall_s": wall,
             "other_cores_during": busy}
     if side == "hpcbert":
-        from hpcbert.runfiles import read_summary
-        s = read_summary(out)
-        if s["stopped_by"] not in ("epochs", "max_steps"):
+        done = C.finished_hpcbert_accuracy_run(out, args, THREADS)
+        if done is None:
             return None
+        s, shared = done
         ev = s["eval"]["dev"]
         return {**base, "accuracy": ev["accuracy"], "f1_macro": ev["f1_macro"], "eval_loss": ev["loss"],
-                "final_loss": s["final_loss"], "steps": s["steps"], "run_dir": os.path.relpath(out, ROOT),
-                "argv": ["hpcbert", "train", *args, "--threads", str(THREADS)], "sampler": "length-grouped",
-                "padding": "dynamic", "resumed_from_step": s["resumed_from_step"]}
+                "final_loss": s["final_loss"], "steps": s["steps"], **shared}
     if rc == 3:
         return None
     r = C.read_json(out_json)
@@ -274,33 +248,20 @@ def cmd_throughput(a) -> int:
         sys.exit(f"compare_hf_chinese: {path} was measured with --steps {s['steps'][a.pair]} --warmup-excluded "
                  f"{s['warmup_steps_excluded']}; use those (or another --results-dir)")
     (hp_label, hp_extra), (hf_label, hf_how) = PAIRS[a.pair]
-    call = C.header("throughput", THREADS)
-    call.update(pair=a.pair, repeat=a.repeat)
-    doc["calls"].append(call)
-    # Alternate which side runs first from repeat to repeat, so slow drift hits both alike.
-    order = ("hpcbert", "hf") if a.repeat % 2 else ("hf", "hpcbert")
-    for side in order:
-        name = f"tp-{a.pair}-{side}-r{a.repeat}"
+
+    def run_side(side: str, name: str) -> dict:
         if side == "hpcbert":
-            rec = C.hpcbert_record(C.hpcbert_run(name, work, THREADS, hpcbert_args(
+            return C.hpcbert_record(C.hpcbert_run(name, work, THREADS, hpcbert_args(
                 str(VOCAB), TP_BATCH, s["lr"], s["seed"], max_steps=steps,
                 extra=["--warmup-steps-excluded", str(a.warmup_excluded), "--log-every", "1", *hp_extra])))
-            rec["label"] = hp_label
-        else:
-            out_json = work / "hf-json" / f"{name}.json"
-            cmd = hf_cmd(name, work, out_json, shape="base", seed=s["seed"], batch=TP_BATCH, lr=s["lr"],
-                         max_steps=steps, warmup_excluded=a.warmup_excluded, **hf_how)
-            say(f"trainer {name}: {hf_how}")
-            noise = C.run_logged(cmd, work / "logs" / f"hf-{name}.log", THREADS)
-            rec = C.read_json(out_json)
-            rec.update(wall_s=noise["wall_s"], noise=noise, label=hf_label)
-        rec.update(pair=a.pair, repeat=a.repeat, side=side, command=call["command"])
-        doc["runs"] = [r for r in doc["runs"] if (r["pair"], r["repeat"], r["side"]) != (a.pair, a.repeat, side)]
-        doc["runs"].append(rec)
-        say(f"  {name}: {rec['steady_sequences_per_sec']:.3f} seq/s, {rec['padded_tokens_per_seq']:.1f} padded "
-            f"tokens/seq (other work: {rec['noise']['other_cores_during']:.2f} cores)")
-        C.write_json(path, doc)
-    return 0
+        out_json = work / "hf-json" / f"{name}.json"
+        cmd = hf_cmd(name, work, out_json, shape="base", seed=s["seed"], batch=TP_BATCH, lr=s["lr"],
+                     max_steps=steps, warmup_excluded=a.warmup_excluded, **hf_how)
+        say(f"trainer {name}: {hf_how}")
+        noise = C.run_logged(cmd, work / "logs" / f"hf-{name}.log", THREADS)
+        return {**C.read_json(out_json), "wall_s": noise["wall_s"], "noise": noise}
+
+    return C.pair_call(a, path, doc, (hp_label, hf_label), THREADS, run_side, say)
 
 
 def throughput_summary(doc: dict) -> list[dict]:
@@ -429,11 +390,8 @@ def main(argv: list[str] | None = None) -> int:
     sp.set_defaults(fn=cmd_accuracy)
     sp = sub.add_parser("throughput", help="one repeat of one interleaved pair (hpcbert, Trainer), bert-base shape")
     common(sp)
-    sp.add_argument("--pair", choices=tuple(PAIRS), required=True)
-    sp.add_argument("--repeat", type=int, required=True)
-    sp.add_argument("--steps", type=int, default=None,
-                    help=f"steps per run (default: {', '.join(f'{k} {v}' for k, v in PAIR_STEPS.items())})")
-    sp.add_argument("--warmup-excluded", type=int, default=3)
+    C.add_pair_options(sp, PAIRS, steps=None, warmup_excluded=3,
+                       steps_help=f"steps per run (default: {', '.join(f'{k} {v}' for k, v in PAIR_STEPS.items())})")
     sp.set_defaults(fn=cmd_throughput)
     sp = sub.add_parser("render", help="results/chinese/README.md from the JSON files")
     sp.add_argument("--results-dir", default=str(DEFAULT_RESULTS))

@@ -226,19 +226,8 @@ def hf_worker(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="compare_hf_squad.py _hf-worker")
     p.add_argument("--train-file", required=True)
     p.add_argument("--dev-file", required=True)
-    p.add_argument("--out", required=True)
-    p.add_argument("--scratch", required=True)
-    p.add_argument("--padding", choices=("max_length", "dynamic"), required=True)
-    p.add_argument("--group-by-length", action="store_true")
-    p.add_argument("--seed", type=int, required=True)
     p.add_argument("--threads", type=int, default=THREADS)
-    p.add_argument("--max-steps", type=int, default=None)
-    p.add_argument("--epochs", type=float, default=EPOCHS)
-    p.add_argument("--warmup-steps-excluded", type=int, default=5)
-    p.add_argument("--do-eval", action="store_true")
-    p.add_argument("--deadline", type=float, default=None,
-                   help="epoch seconds: stop training before it with a checkpoint in --scratch and exit 3 "
-                        "(the same command resumes from it)")
+    C.add_trainer_worker_options(p, epochs=EPOCHS, warmup_excluded=5)
     a = p.parse_args(argv)
     t_process = time.perf_counter()
 
@@ -267,19 +256,11 @@ def hf_worker(argv: list[str]) -> int:
         model, tok, train_ds, collator, scratch=a.scratch, batch=BATCH, lr=LR, epochs=a.epochs,
         max_steps=a.max_steps, total=total, seed=a.seed, group_by_length=a.group_by_length, threads=a.threads,
         deadline=a.deadline)
-    if trainer.state.global_step < total:
-        say(f"stopped at step {trainer.state.global_step}/{total} before the deadline; run again to resume")
+    if C.trainer_stopped_early(trainer, total, say):
         return 3
 
-    result = {
-        "side": "transformers.Trainer", "padding": a.padding, "group_by_length": a.group_by_length,
-        "precision": PRECISION, "seed": a.seed, "optim": str(getattr(args.optim, "value", args.optim)),
-        "sampler": args.train_sampling_strategy,
-        "attn_implementation": getattr(model.config, "_attn_implementation", None),
-        "train_windows": len(train_ds), "warmup_steps": C.warmup_steps(total), "total_steps": total,
-        **C.trainer_figures(trainer, timer, a.warmup_steps_excluded, train_out, t_process, t_train, t_done),
-        "eval": {},
-    }
+    result = C.trainer_result(a, args, model, trainer, timer, total, PRECISION,
+                              (train_out, t_process, t_train, t_done), train_windows=len(train_ds))
     if a.do_eval:
         t0 = time.perf_counter()
         _, dev_ex = read_squad(a.dev_file)
@@ -302,13 +283,7 @@ def hf_cmd(name: str, work: Path, train: Path, dev: Path, out_json: Path, *, pad
     cmd = [sys.executable, str(Path(__file__).resolve()), "_hf-worker", "--train-file", str(train), "--dev-file",
            str(dev), "--out", str(out_json), "--scratch", str(work / "hf-scratch" / name), "--padding", padding,
            "--seed", str(seed), "--threads", str(THREADS), "--warmup-steps-excluded", str(warmup_excluded)]
-    if group_by_length:
-        cmd.append("--group-by-length")
-    if max_steps is not None:
-        cmd += ["--max-steps", str(max_steps)]
-    if do_eval:
-        cmd.append("--do-eval")
-    return cmd
+    return cmd + C.trainer_worker_flags(group_by_length=group_by_length, max_steps=max_steps, do_eval=do_eval)
 
 
 def hf_run(name: str, work: Path, train: Path, dev: Path, out_json: Path, *, padding: str, group_by_length: bool,
@@ -364,17 +339,15 @@ def accuracy_segment(side: str, seed: int, work: Path, train: Path, dev: Path, s
     noise_all = {"other_cores_during": busy, "wall_s": wall, "waited_for_quiet_s": 0.0, "other_cores_before": None}
     base = {"side": side, "seed": seed, "segments": len(segments), "wall_s": wall, "noise": noise_all}
     if side == "hpcbert":
-        from hpcbert.runfiles import read_summary
-        s = read_summary(out)
-        if s["stopped_by"] not in ("epochs", "max_steps"):
+        done = C.finished_hpcbert_accuracy_run(out, args, THREADS)
+        if done is None:
             return None
+        s, shared = done
         ev = s["eval"]["dev"]
         return {**base, "exact_match": ev["exact_match"], "f1": ev["f1"], "eval_loss": ev["loss"],
                 "unrecoverable_answers": ev.get("unrecoverable_answers"), "final_loss": s["final_loss"],
                 "steps": s["steps"], "train_windows": round(s["sequences"] / s["epochs_done"]),
-                "steady_sequences_per_sec": s["steady_sequences_per_sec"], "run_dir": os.path.relpath(out, ROOT),
-                "argv": ["hpcbert", "train", *args, "--threads", str(THREADS)], "sampler": "length-grouped",
-                "padding": "dynamic", "resumed_from_step": s["resumed_from_step"]}
+                "steady_sequences_per_sec": s["steady_sequences_per_sec"], **shared}
     if rc == 3:
         return None
     r = C.read_json(out_json)
@@ -410,29 +383,16 @@ def cmd_throughput(a) -> int:
         sys.exit(f"compare_hf_squad: {path} was measured with --steps {s['steps']} --warmup-excluded "
                  f"{s['warmup_steps_excluded']}; use those (or another --results-dir)")
     (hp_label, hp_extra), (hf_label, hf_how) = PAIRS[a.pair]
-    call = C.header("throughput", THREADS)
-    call.update(pair=a.pair, repeat=a.repeat)
-    doc["calls"].append(call)
-    # Alternate which side runs first from repeat to repeat, so slow drift hits both alike.
-    order = ("hpcbert", "hf") if a.repeat % 2 else ("hf", "hpcbert")
-    for side in order:
-        name = f"tp-{a.pair}-{side}-r{a.repeat}"
+
+    def run_side(side: str, name: str) -> dict:
         if side == "hpcbert":
-            rec = C.hpcbert_record(C.hpcbert_run(name, work, THREADS, hpcbert_args(
+            return C.hpcbert_record(C.hpcbert_run(name, work, THREADS, hpcbert_args(
                 train, dev, s["seed"], max_steps=a.steps,
                 extra=["--warmup-steps-excluded", str(a.warmup_excluded), "--log-every", "1", *hp_extra])))
-            rec["label"] = hp_label
-        else:
-            rec = hf_run(name, work, train, dev, work / "hf-json" / f"{name}.json", seed=s["seed"],
-                         max_steps=a.steps, warmup_excluded=a.warmup_excluded, **hf_how)
-            rec["label"] = hf_label
-        rec.update(pair=a.pair, repeat=a.repeat, side=side, command=call["command"])
-        doc["runs"] = [r for r in doc["runs"] if (r["pair"], r["repeat"], r["side"]) != (a.pair, a.repeat, side)]
-        doc["runs"].append(rec)
-        say(f"  {name}: {rec['steady_sequences_per_sec']:.3f} seq/s, {rec['padded_tokens_per_seq']:.1f} padded "
-            f"tokens/seq (other work: {rec['noise']['other_cores_during']:.2f} cores)")
-        C.write_json(path, doc)
-    return 0
+        return hf_run(name, work, train, dev, work / "hf-json" / f"{name}.json", seed=s["seed"],
+                      max_steps=a.steps, warmup_excluded=a.warmup_excluded, **hf_how)
+
+    return C.pair_call(a, path, doc, (hp_label, hf_label), THREADS, run_side, say)
 
 
 def throughput_summary(doc: dict) -> list[dict]:
@@ -584,10 +544,7 @@ def main(argv: list[str] | None = None) -> int:
     sp.set_defaults(fn=cmd_accuracy)
     sp = sub.add_parser("throughput", help="one repeat of one interleaved pair (hpcbert, Trainer)")
     common(sp)
-    sp.add_argument("--pair", choices=tuple(PAIRS), required=True)
-    sp.add_argument("--repeat", type=int, required=True)
-    sp.add_argument("--steps", type=int, default=40)
-    sp.add_argument("--warmup-excluded", type=int, default=5)
+    C.add_pair_options(sp, PAIRS, steps=40, warmup_excluded=5, steps_help="steps per run (default: %(default)s)")
     sp.set_defaults(fn=cmd_throughput)
     sp = sub.add_parser("render", help="results/squad/README.md from the JSON files")
     sp.add_argument("--results-dir", default=str(DEFAULT_RESULTS))

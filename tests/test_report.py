@@ -1023,6 +1023,55 @@ def test_fastest_trainer_on_equal_batches_is_the_highest_median():
     assert C.fastest_trainer_on_equal_batches(rows[1:2]) is None
 
 
+def test_pair_call_alternates_the_first_side_and_replaces_a_repeated_run(tmp_path):
+    """compare_hf.pair_call, the throughput step of compare_hf_squad.py and compare_hf_chinese.py:
+    an odd repeat runs hpcbert first, an even one the Trainer first; each side's record is on disk
+    before the other side starts; running a (pair, repeat) again replaces its two records."""
+    import argparse
+
+    C = _benchmark_script("compare_hf")
+    path = tmp_path / "throughput.json"
+    doc = {"settings": {"threads": 2}, "calls": [], "runs": []}
+    seen = []
+
+    def run_side(side, name):
+        on_disk = json.loads(path.read_text())["runs"] if path.is_file() else []
+        seen.append((name, [(r["side"], r["repeat"], r["steady_sequences_per_sec"]) for r in on_disk]))
+        return {"steady_sequences_per_sec": float(len(seen)), "padded_tokens_per_seq": 10.0,
+                "noise": {"other_cores_during": 0.0}}
+
+    def call(repeat):
+        a = argparse.Namespace(pair="dynamic", repeat=repeat)
+        assert C.pair_call(a, path, doc, ("hp label", "hf label"), 2, run_side, lambda m: None) == 0
+
+    call(1)
+    call(2)
+    assert [n for n, _ in seen] == ["tp-dynamic-hpcbert-r1", "tp-dynamic-hf-r1", "tp-dynamic-hf-r2",
+                                    "tp-dynamic-hpcbert-r2"]
+    assert seen[1][1] == [("hpcbert", 1, 1.0)] and seen[3][1][-1] == ("hf", 2, 3.0)
+    call(1)  # again: runs 5 and 6 replace runs 1 and 2
+    runs = json.loads(path.read_text())["runs"]
+    assert [(r["side"], r["repeat"], r["steady_sequences_per_sec"], r["label"]) for r in runs] == [
+        ("hf", 2, 3.0, "hf label"), ("hpcbert", 2, 4.0, "hp label"), ("hpcbert", 1, 5.0, "hp label"),
+        ("hf", 1, 6.0, "hf label")]
+    assert len(doc["calls"]) == 3 and all(r["command"] == doc["calls"][0]["command"] for r in runs)
+
+
+def test_trainer_worker_flags_parse_back_to_what_they_say():
+    """compare_hf.trainer_worker_flags builds the switches of a `_hf-worker` command line that
+    add_trainer_worker_options parses: every combination reads back as given."""
+    import argparse
+    import itertools
+
+    C = _benchmark_script("compare_hf")
+    p = argparse.ArgumentParser()
+    C.add_trainer_worker_options(p, epochs=2.0, warmup_excluded=3)
+    base = ["--out", "o.json", "--scratch", "s", "--padding", "dynamic", "--seed", "1"]
+    for group, steps, ev in itertools.product((False, True), (None, 7), (False, True)):
+        a = p.parse_args(base + C.trainer_worker_flags(group_by_length=group, max_steps=steps, do_eval=ev))
+        assert (a.group_by_length, a.max_steps, a.do_eval, a.epochs, a.warmup_steps_excluded) == (group, steps, ev, 2.0, 3)
+
+
 def test_gpu_throughput_runs_each_trainer_configuration(tmp_path, monkeypatch):
     """gpu.py throughput, run on the CPU: one hpcbert run and one Trainer run per --hf-configs entry
     on the same batches (the real-token counts per step agree), a summary row per configuration,
