@@ -41,6 +41,15 @@ def minilm_available() -> bool:
         return False
 
 
+def minilm_dir_or_skip() -> Path:
+    """minilm-l6's folder (its vocabulary and weights), or skip the test with zoo's reason."""
+    from hpcbert.zoo import minilm_dir
+    try:
+        return minilm_dir()
+    except ValueError as e:
+        pytest.skip(str(e))
+
+
 def run_env() -> dict:
     env = dict(os.environ)
     env["PYTHONPATH"] = str(ROOT / "BERT") + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")

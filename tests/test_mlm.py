@@ -21,7 +21,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import run_env
+from conftest import minilm_dir_or_skip, run_env
 from hpcbert import objectives
 from hpcbert.cli import main as hpcbert_main
 from hpcbert.config import RunConfig
@@ -39,11 +39,7 @@ WORDS = ("the history of unbelievable electromagnetism and photosynthesis was re
 
 @pytest.fixture(scope="module")
 def tok_dir() -> Path:
-    from hpcbert.zoo import minilm_dir
-    try:
-        return minilm_dir()
-    except ValueError as e:
-        pytest.skip(str(e))
+    return minilm_dir_or_skip()
 
 
 @pytest.fixture(scope="module")

@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from conftest import minilm_dir_or_skip
 from hpcbert.cli import main as hpcbert_main
 from hpcbert.data import pretrain
 
@@ -76,11 +77,7 @@ WIKI_DOCS = [
 
 @pytest.fixture(scope="module")
 def tok_dir() -> Path:
-    from hpcbert.zoo import minilm_dir
-    try:
-        return minilm_dir()
-    except ValueError as e:
-        pytest.skip(str(e))
+    return minilm_dir_or_skip()
 
 
 @pytest.fixture(scope="module")

@@ -20,6 +20,7 @@ import pandas as pd
 import pytest
 import torch
 
+from conftest import minilm_dir_or_skip
 from hpcbert import report
 from hpcbert.runfiles import RunDirError
 from report_fixtures import CPU, THROUGHPUT_METHOD, V100, make_run, make_study, write_json
@@ -808,12 +809,8 @@ def test_gpu_mfu_on_pretraining_data_trains_mlm_and_renders_its_own_table(tmp_pa
     length, and sections of their own in the rendered README. --task mlm without --data-dir is a
     usage error."""
     from hpcbert.cli import main as hpcbert_main
-    from hpcbert.zoo import minilm_dir
 
-    try:
-        tok = minilm_dir()
-    except ValueError as e:
-        pytest.skip(str(e))
+    tok = minilm_dir_or_skip()
     gpu = _benchmark_script("gpu")
     words = "the river near a village where fishermen caught salmon and studied history".split()
     rng = np.random.default_rng(0)
@@ -898,12 +895,7 @@ def test_gpu_data_script_gathers_what_a_gpu_session_carries(tmp_path):
     data = ROOT.parent / "shared" / "data"
     if not (data / "pretrain" / "wiki-en" / "wiki_15").is_file() or not (data / "glue" / "MRPC").is_dir():
         pytest.skip(f"the wiki extract and GLUE MRPC are not at {data} (they live in ../shared beside the project)")
-    from hpcbert.zoo import minilm_dir
-
-    try:
-        vocab = minilm_dir()
-    except ValueError as e:
-        pytest.skip(str(e))
+    vocab = minilm_dir_or_skip()
     script = ROOT / "benchmarks" / "gpu_data.sh"
     env = {**os.environ, "PYTHON": sys.executable}
     r = subprocess.run(["bash", str(script), str(tmp_path / "out"), str(data)], capture_output=True, text=True,
@@ -968,12 +960,7 @@ def _trainer_worker_or_skip() -> Path:
     the [test] extras; the minilm-l6 tokenizer): the tokenizer's folder, or the test skips."""
     for mod in ("transformers", "accelerate"):
         pytest.importorskip(mod, reason="the Trainer worker needs transformers and accelerate (the [test] extras)")
-    from hpcbert.zoo import minilm_dir
-
-    try:
-        return minilm_dir()
-    except ValueError as e:
-        pytest.skip(str(e))
+    return minilm_dir_or_skip()
 
 
 def test_trainer_worker_pads_to_a_multiple_when_asked(tmp_path):
@@ -1027,8 +1014,6 @@ def test_pair_call_alternates_the_first_side_and_replaces_a_repeated_run(tmp_pat
     """compare_hf.pair_call, the throughput step of compare_hf_squad.py and compare_hf_chinese.py:
     an odd repeat runs hpcbert first, an even one the Trainer first; each side's record is on disk
     before the other side starts; running a (pair, repeat) again replaces its two records."""
-    import argparse
-
     C = _benchmark_script("compare_hf")
     path = tmp_path / "throughput.json"
     doc = {"settings": {"threads": 2}, "calls": [], "runs": []}
@@ -1060,7 +1045,6 @@ def test_pair_call_alternates_the_first_side_and_replaces_a_repeated_run(tmp_pat
 def test_trainer_worker_flags_parse_back_to_what_they_say():
     """compare_hf.trainer_worker_flags builds the switches of a `_hf-worker` command line that
     add_trainer_worker_options parses: every combination reads back as given."""
-    import argparse
     import itertools
 
     C = _benchmark_script("compare_hf")
