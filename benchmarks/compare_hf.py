@@ -978,14 +978,14 @@ def pair_call(a, path: Path, doc: dict, labels: tuple[str, str], threads: int, r
     call.update(pair=a.pair, repeat=a.repeat)
     doc["calls"].append(call)
     for side in ("hpcbert", "hf") if a.repeat % 2 else ("hf", "hpcbert"):
-        rec = run_side(side, f"tp-{a.pair}-{side}-r{a.repeat}")
+        name = f"tp-{a.pair}-{side}-r{a.repeat}"
+        rec = run_side(side, name)
         rec["label"] = labels[side != "hpcbert"]
         rec.update(pair=a.pair, repeat=a.repeat, side=side, command=call["command"])
         doc["runs"] = [r for r in doc["runs"] if (r["pair"], r["repeat"], r["side"]) != (a.pair, a.repeat, side)]
         doc["runs"].append(rec)
-        say(f"  tp-{a.pair}-{side}-r{a.repeat}: {rec['steady_sequences_per_sec']:.3f} seq/s, "
-            f"{rec['padded_tokens_per_seq']:.1f} padded tokens/seq (other work: "
-            f"{rec['noise']['other_cores_during']:.2f} cores)")
+        say(f"  {name}: {rec['steady_sequences_per_sec']:.3f} seq/s, {rec['padded_tokens_per_seq']:.1f} padded "
+            f"tokens/seq (other work: {rec['noise']['other_cores_during']:.2f} cores)")
         write_json(path, doc)
     return 0
 
