@@ -1090,6 +1090,22 @@ def pair_summary(doc: dict, combos: list[tuple[str, str, str]]) -> list[dict]:
     return out
 
 
+def render_pair_throughput(doc: dict, intro: str, summary: list[dict], seq_fmt: str,
+                           target: float | None = None) -> str:
+    """The throughput section of the two scripts beside this one: `intro` (what was run and how it is
+    timed), the pair table, the headline (equal batches, each side's dynamic padding with length
+    grouping; against `target` where there is one), and every run."""
+    lines = [intro, "", render_pair_table(summary, seq_fmt)]
+    head = next((c for c in summary if c["headline"]), None)
+    if head:
+        verdict = "" if target is None else \
+            f" (target ≥ {target}x): **{'MET' if head['ratio_median'] >= target else 'NOT MET'}**"
+        lines += ["", f"Headline (equal batches of {doc['settings']['batch_size']}, each side's dynamic padding "
+                      f"with length grouping): **{head['ratio_median']:.2f}x** the Trainer's training "
+                      f"sequences/s{verdict}."]
+    return "\n".join(lines + render_pair_runs(doc))
+
+
 def render_pair_table(summary: list[dict], seq_fmt: str) -> str:
     from hpcbert.report import markdown_grid  # imported after use_hpcbert()
     rows = [[c["comparison"], c["hpcbert_label"], c["hf_label"], _fmt_list(c["hpcbert_seq_s"], seq_fmt),
@@ -1632,16 +1648,61 @@ def render_readme(results: Path) -> str:
            "figure comes from the runs the commands below started. Per-run hpcbert directories and logs are "
            "under `runs/compare_hf/` (not committed).",
            ""]
+    return "\n".join(out + render_sections(results, sections))
+
+
+def render_sections(results: Path, sections) -> list[str]:
+    """README sections of this script and the two beside it: per (title, JSON file name, render function)
+    the heading, where the file was measured (a file of one command: that command and its date; a file
+    of interleaved calls: its first and last call's dates) and what the function makes of the file;
+    "Not measured yet" where the file is missing or holds no run yet."""
+    out = []
     for title, fname, fn in sections:
         out += [f"## {title}", ""]
         path = results / fname
-        if not path.is_file():
-            out += [f"Not measured yet (`{fname}` is missing).", ""]
+        doc = read_json(path) if path.is_file() else None
+        if doc is None or ("command" not in doc and not doc.get("calls")):
+            out += [f"Not measured yet (`{fname}` {'is missing' if doc is None else 'holds no run'}).", ""]
             continue
-        doc = read_json(path)
-        out += ["```", doc["command"], "```", "",
-                f"Measured {doc['date']} on {_machine_line(doc)}.", "", fn(doc), ""]
-    return "\n".join(out)
+        if "command" in doc:
+            out += ["```", doc["command"], "```", "", f"Measured {doc['date']} on {_machine_line(doc)}.", ""]
+        else:
+            out += [f"Measured {doc['calls'][0]['date']} to {doc['calls'][-1]['date']} on "
+                    f"{_machine_line(doc['calls'][0])}.", ""]
+        out += [fn(doc), ""]
+    return out
+
+
+def accuracy_section(results: Path, render) -> list[str]:
+    """The accuracy section's body in the two scripts beside this one: the machines of the runs in
+    accuracy/*.json and `render`'s table of them, or "Not measured yet"."""
+    runs = [read_json(p) for p in sorted((results / "accuracy").glob("*.json"))]
+    if not runs:
+        return ["Not measured yet (`accuracy/*.json` is missing).", ""]
+    return accuracy_machines(runs) + [render(runs), ""]
+
+
+def script_main(argv: list[str] | None, *, description: str, hf_worker, add_commands, results: Path, render,
+                check=None) -> int:
+    """The command line of this script and the two beside it: the hidden `_hf-worker` (one Trainer run
+    in its own process), the commands `add_commands(subparsers)` adds, and `render` (README.md in
+    `results` from its JSON files); the hpcbert the runs use is chosen (use_hpcbert) before `check(args)`
+    and the command run."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "_hf-worker":
+        use_hpcbert(None)
+        return hf_worker(argv[1:])
+    p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True)
+    add_commands(sub)
+    r = sub.add_parser("render", help=f"write {Path(results).relative_to(ROOT)}/README.md from the JSON files")
+    r.add_argument("--results-dir", default=str(results))
+    r.set_defaults(fn=lambda a: write_readme(a.results_dir, render))
+    a = p.parse_args(argv)
+    use_hpcbert(getattr(a, "hpcbert_rev", None))
+    if check is not None:
+        check(p, a)
+    return a.fn(a)
 
 
 def write_readme(results_dir: str, render) -> int:
@@ -1656,13 +1717,7 @@ def write_readme(results_dir: str, render) -> int:
 # command line
 # ----------------------------------------------------------------------------------------------
 
-def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] == "_hf-worker":  # hidden: one Trainer run in its own process
-        return hf_worker(argv[1:])
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = p.add_subparsers(dest="command", required=True)
-
+def add_commands(sub) -> None:
     def common(sp, data=True):
         if data:
             sp.add_argument("--data-dir", default=DEFAULT_DATA,
@@ -1753,17 +1808,18 @@ def main(argv: list[str] | None = None) -> int:
     k.add_argument("--retries", type=int, default=1)
     k.set_defaults(fn=cmd_compile)
 
-    r = sub.add_parser("render", help="write results/compare_hf/README.md from the JSON files")
-    r.add_argument("--results-dir", default=str(DEFAULT_RESULTS))
-    r.set_defaults(fn=lambda a: write_readme(a.results_dir, render_readme))
 
-    a = p.parse_args(argv)
-    use_hpcbert(getattr(a, "hpcbert_rev", None))
+
+def check_models(p, a) -> None:
     if getattr(a, "models", None):
         unknown = [m for m in a.models.split(",") if m.strip() and m not in POLICY_MODELS]
         if unknown:
             p.error(f"--models: unknown {unknown}; accepted: {', '.join(POLICY_MODELS)}")
-    return a.fn(a)
+
+
+def main(argv: list[str] | None = None) -> int:
+    return script_main(argv, description=__doc__, hf_worker=hf_worker, add_commands=add_commands,
+                       results=DEFAULT_RESULTS, render=render_readme, check=check_models)
 
 
 if __name__ == "__main__":

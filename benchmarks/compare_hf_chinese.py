@@ -319,20 +319,14 @@ def render_accuracy(runs: list[dict]) -> str:
 
 def render_throughput(doc: dict) -> str:
     s = doc["settings"]
-    lines = [f"Training sequences/s, the bert-base shape with random weights ({s['model']}: 12 layers, 768 wide, "
+    intro = (f"Training sequences/s, the bert-base shape with random weights ({s['model']}: 12 layers, 768 wide, "
              f"21,128-entry vocabulary), batch {s['batch_size']}, max length {s['max_seq_length']}, {s['threads']} "
              f"threads, {s['precision']}; steps per run: {', '.join(f'{k} pair {v}' for k, v in s['steps'].items())}, "
              f"the first {s['warmup_steps_excluded']} excluded (the Trainer's group_by_length sorts each "
              f"mega-batch of 50 batches longest first, so a dynamic run covers a whole mega-batch), on both sides timed from the step's batch fetch to the end of its optimizer step "
              f"(compare_hf.py's span). Ratio = hpcbert / Trainer within a repeat (the two runs of a pair ran back "
-             f"to back in one call), median over repeats.", ""]
-    lines.append(C.render_pair_table(throughput_summary(doc), "{:.3f}"))
-    head = next((c for c in throughput_summary(doc) if c["headline"]), None)
-    if head:
-        lines += ["", f"Headline (equal batches of {s['batch_size']}, each side's dynamic padding with length "
-                      f"grouping): **{head['ratio_median']:.2f}x** the Trainer's training sequences/s."]
-    lines += C.render_pair_runs(doc)
-    return "\n".join(lines)
+             f"to back in one call), median over repeats.")
+    return C.render_pair_throughput(doc, intro, throughput_summary(doc), "{:.3f}")
 
 
 def render_readme(results: Path) -> str:
@@ -356,31 +350,12 @@ def render_readme(results: Path) -> str:
             f"entry vocabulary), batch {ACC_BATCH}, lr {ACC_LR:g}, {ACC_EPOCHS:g} epochs, seeds "
             f"{', '.join(map(str, SEEDS))}; dev accuracy (the headline) and macro F1. The Trainer runs with dynamic "
             "padding and group_by_length here (the same maths as padding to 128, in less time).", ""]
-    runs = [C.read_json(p) for p in sorted((results / "accuracy").glob("*.json"))]
-    if runs:
-        out += C.accuracy_machines(runs)
-        out += [render_accuracy(runs), ""]
-    else:
-        out += ["Not measured yet (`accuracy/*.json` is missing).", ""]
-    out += ["## Throughput: the bert-base shape", ""]
-    path = results / "throughput.json"
-    doc = C.read_json(path) if path.is_file() else None
-    if doc and doc["calls"]:
-        out += [f"Measured {doc['calls'][0]['date']} to {doc['calls'][-1]['date']} on "
-                f"{C._machine_line(doc['calls'][0])}.", "", render_throughput(doc), ""]
-    else:
-        out += ["Not measured yet (`throughput.json` is missing).", ""]
+    out += C.accuracy_section(results, render_accuracy)
+    out += C.render_sections(results, [("Throughput: the bert-base shape", "throughput.json", render_throughput)])
     return "\n".join(out)
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] == "_hf-worker":  # hidden: one Trainer run in its own process
-        C.use_hpcbert(None)
-        return hf_worker(argv[1:])
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = p.add_subparsers(dest="command", required=True)
-
+def add_commands(sub) -> None:
     def common(sp):
         C.add_dir_options(sp, DEFAULT_RESULTS, DEFAULT_WORK, "run directories, logs, Trainer scratch")
 
@@ -393,14 +368,16 @@ def main(argv: list[str] | None = None) -> int:
     C.add_pair_options(sp, PAIRS, steps=None, warmup_excluded=3,
                        steps_help=f"steps per run (default: {', '.join(f'{k} {v}' for k, v in PAIR_STEPS.items())})")
     sp.set_defaults(fn=cmd_throughput)
-    sp = sub.add_parser("render", help="results/chinese/README.md from the JSON files")
-    sp.add_argument("--results-dir", default=str(DEFAULT_RESULTS))
-    sp.set_defaults(fn=lambda a: C.write_readme(a.results_dir, render_readme))
-    a = p.parse_args(argv)
-    C.use_hpcbert(getattr(a, "hpcbert_rev", None))
+
+
+def check_data_unless_render(p, a) -> None:
     if a.command != "render":
         check_data()
-    return a.fn(a)
+
+
+def main(argv: list[str] | None = None) -> int:
+    return C.script_main(argv, description=__doc__, hf_worker=hf_worker, add_commands=add_commands,
+                         results=DEFAULT_RESULTS, render=render_readme, check=check_data_unless_render)
 
 
 if __name__ == "__main__":

@@ -467,19 +467,12 @@ def render_accuracy(runs: list[dict]) -> str:
 
 def render_throughput(doc: dict) -> str:
     s = doc["settings"]
-    lines = [f"Training sequences/s (windows/s), {MODEL}, batch {s['batch_size']}, max length {s['max_seq_length']}, "
+    intro = (f"Training sequences/s (windows/s), {MODEL}, batch {s['batch_size']}, max length {s['max_seq_length']}, "
              f"{s['threads']} threads, {s['precision']}; {s['steps']} steps per run, the first "
              f"{s['warmup_steps_excluded']} excluded, on both sides timed from the step's batch fetch to the end "
              f"of its optimizer step (compare_hf.py's span). Ratio = hpcbert / Trainer within a repeat (the two "
-             f"runs of a pair ran back to back in one call), median over repeats.", ""]
-    lines.append(C.render_pair_table(throughput_summary(doc), "{:.2f}"))
-    head = next((c for c in throughput_summary(doc) if c["headline"]), None)
-    if head:
-        lines += ["", f"Headline (equal batches of {s['batch_size']}, each side's dynamic padding with length "
-                      f"grouping): **{head['ratio_median']:.2f}x** (target ≥ {SPEED_TARGET}x): "
-                      f"**{'MET' if head['ratio_median'] >= SPEED_TARGET else 'NOT MET'}**."]
-    lines += C.render_pair_runs(doc)
-    return "\n".join(lines)
+             f"runs of a pair ran back to back in one call), median over repeats.")
+    return C.render_pair_throughput(doc, intro, throughput_summary(doc), "{:.2f}", SPEED_TARGET)
 
 
 def render_readme(results: Path) -> str:
@@ -501,37 +494,12 @@ def render_readme(results: Path) -> str:
            "the official v1.1 exact match and F1.", ""]
     sections = [("Data", "data.json", lambda d: render_data(d)),
                 ("Throughput", "throughput.json", render_throughput)]
-    for title, fname, fn in sections:
-        out += [f"## {title}", ""]
-        path = results / fname
-        if not path.is_file():
-            out += [f"Not measured yet (`{fname}` is missing).", ""]
-            continue
-        doc = C.read_json(path)
-        if "command" in doc:
-            out += ["```", doc["command"], "```", "", f"Measured {doc['date']} on {C._machine_line(doc)}.", ""]
-        elif doc.get("calls"):
-            out += [f"Measured {doc['calls'][0]['date']} to {doc['calls'][-1]['date']} on "
-                    f"{C._machine_line(doc['calls'][0])}.", ""]
-        out += [fn(doc), ""]
-    out += ["## Accuracy", ""]
-    runs = [C.read_json(p) for p in sorted((results / "accuracy").glob("*.json"))]
-    if runs:
-        out += C.accuracy_machines(runs)
-        out += [render_accuracy(runs), ""]
-    else:
-        out += ["Not measured yet (`accuracy/*.json` is missing).", ""]
+    out += C.render_sections(results, sections)
+    out += ["## Accuracy", ""] + C.accuracy_section(results, render_accuracy)
     return "\n".join(out)
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] == "_hf-worker":  # hidden: one Trainer run in its own process
-        C.use_hpcbert(None)
-        return hf_worker(argv[1:])
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = p.add_subparsers(dest="command", required=True)
-
+def add_commands(sub) -> None:
     def common(sp):
         C.add_dir_options(sp, DEFAULT_RESULTS, DEFAULT_WORK, "split files, run directories, logs")
 
@@ -546,12 +514,11 @@ def main(argv: list[str] | None = None) -> int:
     common(sp)
     C.add_pair_options(sp, PAIRS, steps=40, warmup_excluded=5, steps_help="steps per run (default: %(default)s)")
     sp.set_defaults(fn=cmd_throughput)
-    sp = sub.add_parser("render", help="results/squad/README.md from the JSON files")
-    sp.add_argument("--results-dir", default=str(DEFAULT_RESULTS))
-    sp.set_defaults(fn=lambda a: C.write_readme(a.results_dir, render_readme))
-    a = p.parse_args(argv)
-    C.use_hpcbert(getattr(a, "hpcbert_rev", None))
-    return a.fn(a)
+
+
+def main(argv: list[str] | None = None) -> int:
+    return C.script_main(argv, description=__doc__, hf_worker=hf_worker, add_commands=add_commands,
+                         results=DEFAULT_RESULTS, render=render_readme)
 
 
 if __name__ == "__main__":

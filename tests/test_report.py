@@ -1056,6 +1056,95 @@ def test_trainer_worker_flags_parse_back_to_what_they_say():
         assert (a.group_by_length, a.max_steps, a.do_eval, a.epochs, a.warmup_steps_excluded) == (group, steps, ev, 2.0, 3)
 
 
+def test_script_main_routes_the_worker_the_commands_and_render(tmp_path, monkeypatch):
+    """compare_hf.script_main, the command line of compare_hf.py and the two scripts beside it: `_hf-worker`
+    hands the rest of the line to the worker and parses nothing; a command reaches its function after
+    `check` saw its arguments (and a usage error there exits 2 before it runs); `render` writes what the
+    render function returns to README.md of --results-dir."""
+    C = _benchmark_script("compare_hf")
+    monkeypatch.setattr(C, "use_hpcbert", lambda rev: calls.append(("use", rev)))
+    calls = []
+
+    def add_commands(sub):
+        sp = sub.add_parser("go")
+        sp.add_argument("--n", type=int, default=1)
+        sp.add_argument("--hpcbert-rev", default=None)
+        sp.set_defaults(fn=lambda a: calls.append(("go", a.n)) or 5)
+
+    def check(p, a):
+        calls.append(("check", a.command))
+        if getattr(a, "n", 0) < 0:
+            p.error("--n: not below 0")
+
+    def main(argv):
+        return C.script_main(argv, description="d", hf_worker=lambda rest: calls.append(("worker", rest)) or 7,
+                             add_commands=add_commands, results=C.ROOT / "results" / "x",
+                             render=lambda d: f"readme of {d.name}", check=check)
+
+    assert main(["_hf-worker", "--out", "o.json", "render"]) == 7
+    assert calls == [("use", None), ("worker", ["--out", "o.json", "render"])]
+    calls.clear()
+    assert main(["go", "--n", "3", "--hpcbert-rev", "abc"]) == 5
+    assert calls == [("use", "abc"), ("check", "go"), ("go", 3)]
+    calls.clear()
+    with pytest.raises(SystemExit) as e:
+        main(["go", "--n", "-1"])
+    assert e.value.code == 2 and ("go", -1) not in calls
+    out = tmp_path / "res"
+    out.mkdir()
+    assert main(["render", "--results-dir", str(out)]) == 0
+    assert (out / "README.md").read_text() == "readme of res"
+
+
+def test_render_sections_says_where_each_file_was_measured(tmp_path):
+    """compare_hf.render_sections: a file of one command shows that command and its date, a file of
+    interleaved calls its first and last call's dates, and a missing file or one without calls says
+    "Not measured yet" without calling the section's render function."""
+    C = _benchmark_script("compare_hf")
+    machine = {"cpu": "cpuX", "cores": 2, "threads": 2, "native_bf16": True, "python": "3.11", "torch": "2",
+               "transformers": "4", "accelerate": "1", "git_commit": "c0ffee"}
+    write_json(tmp_path / "one.json", {"command": "python one.py", "date": "D1", "machine": machine})
+    write_json(tmp_path / "calls.json", {"calls": [{"date": "D2", "machine": machine}, {"date": "D3"}]})
+    write_json(tmp_path / "empty.json", {"calls": []})
+    rendered = []
+
+    def fn(doc):
+        rendered.append(doc)
+        return "TABLE"
+
+    out = C.render_sections(tmp_path, [(t, f, fn) for t, f in (("One", "one.json"), ("Calls", "calls.json"),
+                                                                 ("Empty", "empty.json"), ("Gone", "gone.json"))])
+    text = "\n".join(out)
+    assert "## One\n\n```\npython one.py\n```\n\nMeasured D1 on cpuX, 2 cores" in text
+    assert "## Calls\n\nMeasured D2 to D3 on cpuX, 2 cores" in text
+    assert "## Empty\n\nNot measured yet (`empty.json` holds no run)." in text
+    assert "## Gone\n\nNot measured yet (`gone.json` is missing)." in text
+    assert text.count("TABLE") == 2 and len(rendered) == 2
+
+
+def test_pair_throughput_headline_is_the_dynamic_pair_against_the_target(monkeypatch):
+    """compare_hf.render_pair_throughput: the headline is the (dynamic, dynamic) comparison's median,
+    judged MET only at or above the target, with no verdict where there is no target and no headline
+    where that comparison is absent."""
+    C = _benchmark_script("compare_hf")
+    monkeypatch.setattr(C, "render_pair_table", lambda summary, fmt: "TABLE")
+    monkeypatch.setattr(C, "render_pair_runs", lambda doc: ["", "RUNS"])
+    doc = {"settings": {"batch_size": 16}}
+    summary = [{"headline": False, "ratio_median": 9.0}, {"headline": True, "ratio_median": 1.196}]
+
+    def headline(summary, target):
+        text = C.render_pair_throughput(doc, "INTRO", summary, "{:.2f}", target)
+        assert text.startswith("INTRO\n\nTABLE\n") and text.endswith("\n\nRUNS")
+        return [line for line in text.splitlines() if line.startswith("Headline")]
+
+    assert headline(summary, 1.2) == ["Headline (equal batches of 16, each side's dynamic padding with length "
+                                      "grouping): **1.20x** the Trainer's training sequences/s (target ≥ 1.2x): "
+                                      "**NOT MET**."]
+    assert headline(summary, 1.19)[0].endswith("(target ≥ 1.19x): **MET**.")
+    assert headline(summary, None)[0].endswith("**1.20x** the Trainer's training sequences/s.")
+    assert headline(summary[:1], 1.2) == []
+
+
 def test_gpu_throughput_runs_each_trainer_configuration(tmp_path, monkeypatch):
     """gpu.py throughput, run on the CPU: one hpcbert run and one Trainer run per --hf-configs entry
     on the same batches (the real-token counts per step agree), a summary row per configuration,
