@@ -29,7 +29,7 @@ from pathlib import Path
 
 import pytest
 
-from fuzz_bytes import apply_bytes
+from fuzz_bytes import LINE_OPS, apply_bytes, apply_line_op
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -92,7 +92,7 @@ def byte_mutation(rng: random.Random) -> tuple:
 
 def line_mutation(rng: random.Random, sep: bytes | None) -> tuple:
     """Whole-line edits, and (for a separator) field edits on one line; indices taken modulo."""
-    ops = ["dup", "del", "swap", "blank", "spaces"]
+    ops = list(LINE_OPS)
     if sep is not None:
         ops += ["drop_field", "add_field", "copy_field", "empty_field", "set_field", "set_field", "huge_field"]
     value = rng.choice(FIELD_VALUES) if rng.random() < 0.7 else rng.choice(SPECIAL)
@@ -110,17 +110,7 @@ def apply_line(data: bytes, m: tuple, sep: bytes | None) -> bytes:
     _, op, i, j, value, huge = m
     lines = data.split(b"\n")
     i %= len(lines)
-    if op == "dup":
-        lines.insert(i, lines[i])
-    elif op == "del":
-        del lines[i]
-    elif op == "swap" and i + 1 < len(lines):
-        lines[i], lines[i + 1] = lines[i + 1], lines[i]
-    elif op == "blank":
-        lines.insert(i, b"")
-    elif op == "spaces":
-        lines.insert(i, b" \t ")
-    elif sep is not None:
+    if not apply_line_op(lines, op, i) and sep is not None:
         fields = lines[i].split(sep)
         j %= len(fields)
         if op == "drop_field":

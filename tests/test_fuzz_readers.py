@@ -25,7 +25,7 @@ from pathlib import Path
 import glue_fixtures as fx
 import pytest
 
-from fuzz_bytes import BYTE_KINDS, apply_bytes
+from fuzz_bytes import BYTE_KINDS, LINE_OPS, apply_bytes, apply_line_op
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -174,7 +174,7 @@ def random_mutation(rng: random.Random) -> tuple:
         "empty_field": ("empty_field", idx, rng.randrange(100)),
         "set_field": ("set_field", idx, rng.randrange(100),
                       rng.choice(FIELD_VALUES) if rng.random() < 0.7 else special),
-        "line": ("line", idx, rng.choice(["dup", "del", "swap", "blank", "spaces"])),
+        "line": ("line", idx, rng.choice(LINE_OPS)),
         "huge": ("huge", idx, rng.randrange(100), rng.choice([10_000, 300_000])),
         "encode": ("encode", rng.choice(ENCODINGS)),
         "crlf": ("crlf",),
@@ -190,17 +190,7 @@ def mutate(data: bytes, m: tuple) -> bytes:
     i = args[0] % len(lines)
     fields = lines[i].split(b"\t")
     if kind == "line":
-        op = args[1]
-        if op == "dup":
-            lines.insert(i, lines[i])
-        elif op == "del":
-            del lines[i]
-        elif op == "swap" and i + 1 < len(lines):
-            lines[i], lines[i + 1] = lines[i + 1], lines[i]
-        elif op == "blank":
-            lines.insert(i, b"")
-        elif op == "spaces":
-            lines.insert(i, b" \t ")
+        assert apply_line_op(lines, args[1], i), m
         return b"\n".join(lines)
     j = args[1] % len(fields)
     if kind == "drop_column":
