@@ -1717,6 +1717,18 @@ def write_readme(results_dir: str, render) -> int:
 # command line
 # ----------------------------------------------------------------------------------------------
 
+def add_noise_options(sp) -> None:
+    """The noise control of the interleaved comparisons (throughput, policies, compile): wait_quiet before
+    a run, `measured` around it."""
+    sp.add_argument("--wait-quiet", type=float, default=120,
+                    help="before each run, wait up to this many seconds for other work to use < 0.3 cores "
+                         "(0: do not wait; default: %(default)s)")
+    sp.add_argument("--noisy", type=float, default=0.5,
+                    help="a run during which other work kept more cores than this busy on average is run "
+                         "again (default: %(default)s)")
+    sp.add_argument("--retries", type=int, default=1, help="at most this many re-runs of a noisy run (default: %(default)s)")
+
+
 def add_commands(sub) -> None:
     def common(sp, data=True):
         if data:
@@ -1743,13 +1755,7 @@ def add_commands(sub) -> None:
                    help="GLUE task (default: %(default)s); results go to throughput-TASK.json (fp32) or "
                         "throughput-TASK-bf16.json, and a rerun with "
                         "more --repeats keeps the runs already there (same settings and hpcbert commit)")
-    t.add_argument("--wait-quiet", type=float, default=120,
-                   help="before each run, wait up to this many seconds for other work to use < 0.3 cores "
-                        "(0: do not wait; default: %(default)s)")
-    t.add_argument("--noisy", type=float, default=0.5,
-                   help="a run during which other work kept more cores than this busy on average is run "
-                        "again (default: %(default)s)")
-    t.add_argument("--retries", type=int, default=1, help="at most this many re-runs of a noisy run (default: %(default)s)")
+    add_noise_options(t)
     t.set_defaults(fn=cmd_throughput)
 
     c = sub.add_parser("accuracy", help="MRPC dev F1/accuracy after N epochs, per seed, both sides (resumable)")
@@ -1775,13 +1781,7 @@ def add_commands(sub) -> None:
     q.add_argument("--passes", type=int, default=3,
                    help="passes over it per run; only the last is compared (default: %(default)s)")
     q.add_argument("--repeats", type=int, default=3, help="interleaved repeats (default: %(default)s)")
-    q.add_argument("--wait-quiet", type=float, default=120,
-                   help="before each run, wait up to this many seconds for other work to use < 0.3 cores "
-                        "(0: do not wait; default: %(default)s)")
-    q.add_argument("--noisy", type=float, default=0.5,
-                   help="a run during which other work kept more cores than this busy on average is run "
-                        "again (default: %(default)s)")
-    q.add_argument("--retries", type=int, default=1, help="at most this many re-runs of a noisy run (default: %(default)s)")
+    add_noise_options(q)
     q.add_argument("--precision", choices=("fp32", "bf16"), default=None,
                    help="hpcbert --precision (default: its own auto, bf16 where the CPU has native bf16); "
                         "the results go to policies-<precision>.json")
@@ -1803,9 +1803,7 @@ def add_commands(sub) -> None:
     k.add_argument("--warmup-excluded", type=int, default=5, help="first steps left out (default: %(default)s)")
     k.add_argument("--repeats", type=int, default=2, help="interleaved repeats (default: %(default)s)")
     k.add_argument("--precision", choices=("fp32", "bf16"), default=None)
-    k.add_argument("--wait-quiet", type=float, default=120)
-    k.add_argument("--noisy", type=float, default=0.5)
-    k.add_argument("--retries", type=int, default=1)
+    add_noise_options(k)
     k.set_defaults(fn=cmd_compile)
 
 
