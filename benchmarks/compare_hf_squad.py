@@ -492,7 +492,7 @@ def render_readme(results: Path) -> str:
            "its pre- and post-processing (prepare_train_features, prepare_validation_features, "
            "postprocess_qa_predictions) are re-implemented in the script from the example. Both are scored with "
            "the official v1.1 exact match and F1.", ""]
-    sections = [("Data", "data.json", lambda d: render_data(d)),
+    sections = [("Data", "data.json", render_data),
                 ("Throughput", "throughput.json", render_throughput)]
     out += C.render_sections(results, sections)
     out += ["## Accuracy", ""] + C.accuracy_section(results, render_accuracy)
