@@ -1687,10 +1687,10 @@ def script_main(argv: list[str] | None, *, description: str, hf_worker, add_comm
     """The command line of this script and the two beside it: the hidden `_hf-worker` (one Trainer run
     in its own process), the commands `add_commands(subparsers)` adds, and `render` (README.md in
     `results` from its JSON files); the hpcbert the runs use is chosen (use_hpcbert) before `check(args)`
-    and the command run."""
+    and the command run. The worker imports the hpcbert its parent chose, from child_env's PYTHONPATH
+    (use_hpcbert(None) there would put this checkout's BERT/ before a --hpcbert-rev tree)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "_hf-worker":
-        use_hpcbert(None)
         return hf_worker(argv[1:])
     p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)

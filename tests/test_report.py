@@ -1058,7 +1058,8 @@ def test_trainer_worker_flags_parse_back_to_what_they_say():
 
 def test_script_main_routes_the_worker_the_commands_and_render(tmp_path, monkeypatch):
     """compare_hf.script_main, the command line of compare_hf.py and the two scripts beside it: `_hf-worker`
-    hands the rest of the line to the worker and parses nothing; a command reaches its function after
+    hands the rest of the line to the worker and parses nothing nor chooses an hpcbert (the parent's
+    PYTHONPATH names the one of --hpcbert-rev); a command reaches its function after
     `check` saw its arguments (and a usage error there exits 2 before it runs); `render` writes what the
     render function returns to README.md of --results-dir."""
     C = _benchmark_script("compare_hf")
@@ -1082,7 +1083,7 @@ def test_script_main_routes_the_worker_the_commands_and_render(tmp_path, monkeyp
                              render=lambda d: f"readme of {d.name}", check=check)
 
     assert main(["_hf-worker", "--out", "o.json", "render"]) == 7
-    assert calls == [("use", None), ("worker", ["--out", "o.json", "render"])]
+    assert calls == [("worker", ["--out", "o.json", "render"])]  # its hpcbert: the parent's PYTHONPATH
     calls.clear()
     assert main(["go", "--n", "3", "--hpcbert-rev", "abc"]) == 5
     assert calls == [("use", "abc"), ("check", "go"), ("go", 3)]
