@@ -1807,7 +1807,6 @@ def add_commands(sub) -> None:
     k.set_defaults(fn=cmd_compile)
 
 
-
 def check_models(p, a) -> None:
     if getattr(a, "models", None):
         unknown = [m for m in a.models.split(",") if m.strip() and m not in POLICY_MODELS]
