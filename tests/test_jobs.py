@@ -165,6 +165,80 @@ def test_impossible_jobs_are_refused_naming_the_option(kw, words):
     assert all(w in str(e.value) for w in words), str(e.value)
 
 
+# A site's directives: accepted where hpcbert does not write the option, refused (naming the option that
+# sets it) where it does, long options under any abbreviation sbatch accepts (getopt_long).
+@pytest.mark.parametrize("scheduler, directive, words", [
+    ("slurm", "--time=02:00:00", ["--directive", "--time", "--walltime"]),
+    ("slurm", "--part=gpu", ["--partition", "--queue"]),
+    ("slurm", "-N 4", ["--nodes", "--nodes"]),
+    ("slurm", "#SBATCH -c 8", ["--cpus-per-task", "--cpus-per-node"]),
+    ("slurm", "--gres=gpu:a100:4", ["--gres", "--gpus-per-node"]),
+    ("slurm", "--exclusive", ["--exclusive", "--cpus-per-node"]),
+    ("slurm", "#PBS -l mem=1GB", ["#PBS line", "#SBATCH"]),
+    ("slurm", "qos=high", ["not a scheduler option", "--qos=high"]),
+    ("slurm", "--qos=high\n#SBATCH --time=09:00:00", ["line break"]),
+    ("pbs", "-l walltime=02:00:00", ["-l walltime", "--walltime"]),
+    ("pbs", "-l mem=64GB,ngpus=2", ["-l ngpus", "--gpus-per-node"]),
+    ("pbs", "#PBS -l select=1:ncpus=48", ["-l select"]),
+    ("pbs", "-q express", ["-q", "--queue"]),
+    ("torque", "-l nodes=1:ppn=4", ["-l nodes", "--nodes"]),
+    ("torque", "#SBATCH --qos=high", ["#SBATCH line", "#PBS"]),
+])
+def test_a_site_directive_hpcbert_writes_itself_is_refused_naming_the_option(scheduler, directive, words):
+    with pytest.raises(ValueError) as e:
+        spec(scheduler, cpus_per_node=4, extra_directives=[directive])
+    assert all(w in str(e.value) for w in words), str(e.value)
+
+
+@pytest.mark.parametrize("setup", ["", "  ", "module load a\nmodule load b"])
+def test_a_setup_line_is_one_line(setup):
+    with pytest.raises(ValueError, match="--setup: .* one shell line per --setup"):
+        spec("slurm", setup=[setup])
+
+
+def test_site_directives_follow_hpcberts_own_before_the_first_command(capsys):
+    base = ["--nodes", "2", "--gpus-per-node", "4", "--walltime", "01:30:00", "--cpus-per-node", "8", "--dry-run"]
+    accepted = {"slurm": ["--directive=--qos=high", "--directive", "#SBATCH -C a100", "--directive=--mem=0",
+                          "--directive=--gpu-bind=closest", "--directive=--nodelist=n[1-2]"],
+                "pbs": ["--directive", "-l mem=64GB,jobfs=100GB", "--directive",
+                        "#PBS -l storage=gdata/ab12+scratch/ab12", "--directive", "-W group_list=ai",
+                        "--directive", "-m abe"]}
+    expected = {"slurm": ["#SBATCH --qos=high", "#SBATCH -C a100", "#SBATCH --mem=0", "#SBATCH --gpu-bind=closest",
+                          "#SBATCH --nodelist=n[1-2]"],
+                "pbs": ["#PBS -l mem=64GB,jobfs=100GB", "#PBS -l storage=gdata/ab12+scratch/ab12",
+                        "#PBS -W group_list=ai", "#PBS -m abe"]}
+    for scheduler, prefix in (("slurm", "#SBATCH"), ("pbs", "#PBS")):
+        plain = render(spec(scheduler, cpus_per_node=8), "cmd")
+        assert submit.cli(["--scheduler", scheduler, *base, *accepted[scheduler], "--", *TRAIN]) == 0
+        text = capsys.readouterr().out
+        lines = text.splitlines()
+        assert directive_lines(text, prefix) == directive_lines(plain, prefix) + expected[scheduler]
+        # sbatch and qsub read directives only up to the first command
+        assert lines.index(expected[scheduler][-1]) < lines.index("set -euo pipefail")
+
+
+def test_setup_lines_run_in_order_before_the_launch_and_a_failure_stops_the_job(job_sandbox):
+    tmp_path, env = job_sandbox
+    env = dict(env, SLURM_SUBMIT_DIR=str(tmp_path))
+    ok = render(spec("slurm", gpus_per_node=0, procs_per_node=2, cpus_per_node=2, setup=[
+        "export SITE_SETUP=$(( 6 * 7 ))", "export SITE_SETUP=${SITE_SETUP}:${NOT_SET_ANYWHERE}x  # read unset"]),
+        "cmd")
+    r, rec = run_script(ok, tmp_path, env)
+    assert r.returncode == 0, r.stderr
+    assert rec["env"]["SITE_SETUP"] == "42:x"  # both, in order, under set +u, and exported to the bootstrap
+    for setup, failed, status in ((["export A=1", "no_such_site_command --flag", "export SITE_SETUP=late"],
+                                   "no_such_site_command --flag", 127),
+                                  (["module() { false; echo loaded; }", "module load apptainer"], "false", 1)):
+        text = render(spec("slurm", gpus_per_node=0, procs_per_node=2, cpus_per_node=2, setup=setup), "cmd")
+        (tmp_path / "record.json").unlink(missing_ok=True)
+        r, rec = run_script(text, tmp_path, env)
+        assert r.returncode == status and rec == {}, r.stderr  # nothing launched
+        assert f"hpcbert job: --setup failed (status {status}): {failed}" in r.stderr
+        assert "loaded" not in r.stdout
+    # set -u is back after the set-up: the script's own unset variables are still errors
+    assert "set +E -u\ntrap - ERR\n" in text and "set -E +u" in text
+
+
 def test_a_preset_under_another_task_leaves_out_what_that_task_does_not_read():
     ns = submit.parser().parse_args(["--scheduler", "slurm", "--preset", "baseline"])
     s = submit.spec_from_args(ns, ["--task", "synthetic"])
@@ -231,7 +305,7 @@ RECORDER = """#!{python}
 import json, os, sys
 names = ["OMP_NUM_THREADS", "HPCBERT_JOB_DEADLINE", "HPCBERT_STOP_FILE", "HPCBERT_PYTHON", "HPCBERT_KIT",
          "HPCBERT_WRAPPER", "HPCBERT_IMAGE", "HPCBERT_BINDS", "HPCBERT_NV", "GLUE_DIR", "NCCL_SOCKET_IFNAME",
-         "PYTORCH_CUDA_ALLOC_CONF", "UNRELATED"]
+         "PYTORCH_CUDA_ALLOC_CONF", "UNRELATED", "SITE_SETUP"]
 json.dump({{"argv": sys.argv[1:], "cwd": os.getcwd(), "env": {{k: os.environ.get(k) for k in names}},
            "stop_file_existed": os.path.exists(os.environ["HPCBERT_STOP_FILE"])}},
           open(os.environ["HPCBERT_TEST_LOG"], "w"))

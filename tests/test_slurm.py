@@ -77,12 +77,18 @@ def assert_two_process_run(cluster, job_id, run_dir, tmp_path):
 
 
 def test_sbatch_runs_a_generated_slurm_script(slurm_cluster, job_env, tmp_path):  # noqa: F811
+    """...with a site's own directive (sbatch takes it: the job's comment) and a set-up line (run by the
+    batch shell under Slurm, before the launch)."""
     run_dir = tmp_path / "run"
-    job_id = submit(["--scheduler", "slurm", *CPU_JOB, "--out-script", "job.sbatch", "--", *TRAIN,
-                     "--out", run_dir], job_env, tmp_path)
+    job_id = submit(["--scheduler", "slurm", *CPU_JOB, "--directive=--comment=site-directive",
+                     "--setup", 'echo "site set-up in job $SLURM_JOB_ID"', "--out-script", "job.sbatch", "--",
+                     *TRAIN, "--out", run_dir], job_env, tmp_path)
     info = assert_two_process_run(slurm_cluster, job_id, run_dir, tmp_path)
     assert info["TimeLimit"] == "00:05:00" and info["NumNodes"] == "1"
+    assert info["Comment"] == "site-directive"
     log = (tmp_path / f"hpcbert-{job_id}.out").read_text()
+    assert f"site set-up in job {job_id}\n" in log
+    assert log.index("site set-up in job") < log.index(f"[hpcbert job] job {job_id}:")
     assert f"[hpcbert job] job {job_id}: 1 node(s) x 2 process(es)" in log
     assert "launcher exited with status 0" in log
 
@@ -138,8 +144,8 @@ def test_pbs_pro_script_is_accepted_by_sbatch(slurm_cluster, job_env, tmp_path):
     for n, job in enumerate((CPU_JOB, whole_node)):
         script = tmp_path / f"job{n}.pbs"
         r = subprocess.run([sys.executable, "-m", "hpcbert.cli", "submit", "--scheduler", "pbs", *job, "--queue",
-                            "debug", "--dry-run", "--out-script", script, "--", *TRAIN], env=job_env,
-                           capture_output=True, text=True)
+                            "debug", "--directive", "-m n", "--dry-run", "--out-script", script, "--", *TRAIN],
+                           env=job_env, capture_output=True, text=True)
         assert r.returncode == 0, r.stderr
         assert ("place=scatter:excl" in script.read_text()) == (job is whole_node)
         t = slurm_cluster.run("sbatch", "--test-only", script, cwd=tmp_path)

@@ -24,6 +24,12 @@ by default under a scheduler). One job at a time holds a run directory (a lock i
 A CPU-only job (--gpus-per-node 0) without --cpus-per-node gets whole nodes (Slurm --exclusive,
 PBS Pro place=excl), and the threads per worker are the node's cores, read when the job starts,
 divided by the workers.
+
+What a site asks for beyond these (a QOS, a memory request, a GPU type, PBS Pro's storage= on
+Gadi) is a --directive, written as it is after hpcbert's own lines; one that would change what
+hpcbert writes itself (nodes, cores, walltime, names, output) is refused, naming the option that
+sets it. What a site needs run before the launch (module load, a venv) is a --setup line, run in
+the batch shell; the launchers pass its environment on to every node.
 """
 
 from __future__ import annotations
@@ -115,6 +121,8 @@ class JobSpec:
     job_name: str = "hpcbert"
     stop_margin: int | None = None      # seconds before the walltime at which training must stop
     train_args: list[str] = field(default_factory=list)
+    extra_directives: list[str] = field(default_factory=list)  # site options, after hpcbert's own
+    setup: list[str] = field(default_factory=list)             # shell lines run before the launch
 
     def __post_init__(self) -> None:
         validate(self)
@@ -195,7 +203,70 @@ def validate(spec: JobSpec) -> None:
         value = getattr(spec, name)
         if value is not None and not re.fullmatch(r"[A-Za-z0-9_.@+-]+", value):
             raise ValueError(f"--{name}: {value!r} holds characters a directive line cannot carry")
+    spec.extra_directives = [check_directive(spec.scheduler, d) for d in spec.extra_directives]
+    for line in spec.setup:
+        if not line.strip() or "\n" in line or "\r" in line or "\0" in line:
+            raise ValueError(f"--setup: {line!r}: give one shell line per --setup (not empty, no line break)")
     check_train_args(spec.train_args)
+
+
+# The options hpcbert's own directive lines set, and the hpcbert option that sets each: a site's
+# --directive may not set them again (the scheduler would take the last one, and the script's
+# threads, launch and deadline would no longer match what the job was given).
+_SLURM_OWN = {"job-name": "--job-name", "nodes": "--nodes", "ntasks-per-node": "--procs-per-node",
+              "ntasks": "--nodes and --procs-per-node", "cpus-per-task": "--cpus-per-node",
+              "gpus-per-node": "--gpus-per-node", "gpus": "--gpus-per-node", "gres": "--gpus-per-node",
+              "time": "--walltime", "signal": "--stop-margin", "partition": "--queue", "account": "--account",
+              "exclusive": "--cpus-per-node (leave it out for whole nodes)", "output": "the script (%x-%j.out)"}
+_SLURM_SHORT = {"J": "job-name", "N": "nodes", "n": "ntasks", "c": "cpus-per-task", "G": "gpus", "t": "time",
+                "p": "partition", "A": "account", "o": "output"}
+_PBS_OWN = {"N": "--job-name", "P": "--project", "A": "--account", "q": "--queue", "j": "the script (-j oe)"}
+_PBS_OWN_RESOURCES = {"select": "--nodes, --cpus-per-node and --gpus-per-node", "place": "--cpus-per-node",
+                      "nodes": "--nodes and --cpus-per-node", "walltime": "--walltime",
+                      "ncpus": "--cpus-per-node", "ngpus": "--gpus-per-node", "mpiprocs": "the script (1 per node)"}
+
+
+def check_directive(scheduler: str, text: str) -> str:
+    """A site's --directive: one scheduler option ('--qos=high', '-l mem=64GB'; '#SBATCH --qos=high'
+    and '#PBS -l mem=64GB' as well), returned without its prefix. Refused, with the reason: a line
+    break, another scheduler's prefix, text that is not an option, and an option hpcbert sets itself."""
+    given = text
+    if "\n" in text or "\r" in text or "\0" in text:
+        raise ValueError(f"--directive: {given!r}: one directive per --directive (no line break)")
+    prefix = "#SBATCH" if scheduler == "slurm" else "#PBS"
+    m = re.match(r"\s*(#SBATCH|#PBS)\b\s*", text)
+    if m:
+        if m.group(1) != prefix:
+            raise ValueError(f"--directive: {given!r} is a {m.group(1)} line; a {FLAVOUR_NAMES[scheduler]} "
+                             f"script takes {prefix} lines")
+        text = text[m.end():]
+    text = text.strip()
+    if not text.startswith("-"):
+        raise ValueError(f"--directive: {given!r} is not a scheduler option; give it as it follows {prefix}, "
+                         f"e.g. " + ("'--qos=high'" if scheduler == "slurm" else "'-l mem=64GB'"))
+    if scheduler == "slurm":
+        long_ = re.match(r"--([A-Za-z][\w-]*)", text)
+        if long_:
+            name = long_.group(1)
+            # sbatch takes any unambiguous abbreviation of a long option (getopt_long): --part=gpu
+            owned = [o for o in _SLURM_OWN if o == name or (len(name) >= 2 and o.startswith(name))]
+        else:
+            owned = [o for o in (_SLURM_SHORT.get(text[1:2]),) if o]
+        if owned:
+            raise ValueError(f"--directive: {given!r} sets --{owned[0]}, which hpcbert writes from "
+                             f"{_SLURM_OWN[owned[0]]}; give that instead")
+        return text
+    option = text[1:2]
+    if option in _PBS_OWN:
+        raise ValueError(f"--directive: {given!r} sets -{option}, which hpcbert writes from {_PBS_OWN[option]}; "
+                         f"give that instead")
+    if option == "l":
+        for resource in re.split(r"[,:]", text[2:].strip()):
+            name = resource.split("=", 1)[0].strip()
+            if name in _PBS_OWN_RESOURCES:
+                raise ValueError(f"--directive: {given!r} sets -l {name}, which hpcbert writes from "
+                                 f"{_PBS_OWN_RESOURCES[name]}; give that instead")
+    return text
 
 
 def check_train_args(argv: list[str]):
@@ -270,7 +341,7 @@ def directives(spec: JobSpec) -> list[str]:
         if spec.account:
             d.append(f"--account={spec.account}")
         d.append("--output=%x-%j.out")
-        return [f"#SBATCH {x}" for x in d]
+        return [f"#SBATCH {x}" for x in d + spec.extra_directives]
     d = [f"-N {spec.job_name}"]
     if spec.scheduler == "pbs":
         # One chunk per node with mpiprocs=1: PBS_NODEFILE lists each node once, so pbsdsh starts one
@@ -292,7 +363,7 @@ def directives(spec: JobSpec) -> list[str]:
     if spec.queue:
         d.append(f"-q {spec.queue}")
     d.append("-j oe")
-    return [f"#PBS {x}" for x in d]
+    return [f"#PBS {x}" for x in d + spec.extra_directives]
 
 
 # The job's variables pbsdsh and ssh pass on to every node (they start with a bare environment;
@@ -337,6 +408,23 @@ launch_cmd() { LAUNCH=(on_each_node); }""",
 }
 
 
+def setup_block(lines: list[str]) -> str:
+    """The --setup lines as the job runs them: in order, in the batch shell, each failure stopping
+    the job before anything starts and naming the command that failed."""
+    if not lines:
+        return ""
+    return "\n".join([
+        "# --- site set-up (--setup): run here before anything starts; the launchers pass the environment",
+        "# it leaves on to every node (srun and mpiexec all of it; pbsdsh and ssh the variables launch_cmd names) ---",
+        "trap 'status=$?; echo \"hpcbert job: --setup failed (status $status): $BASH_COMMAND\" >&2' ERR",
+        "set -E +u  # the message also for a failure inside a shell function (module); module, conda and",
+        "          # venv scripts may read unset variables",
+        *lines,
+        "set +E -u",
+        "trap - ERR",
+        "", ""])
+
+
 def render(spec: JobSpec, command: str, *, workdir: str | None = None, python: str | None = None,
            kit: str | None = None) -> str:
     """The job script. workdir/python/kit None: placeholders ($PWD, python3, the submit directory)
@@ -370,6 +458,7 @@ def render(spec: JobSpec, command: str, *, workdir: str | None = None, python: s
         kit=_dq(kit) if kit else "$PWD",
         python=_dq(python) if python else "python3",
         container=container,
+        setup=setup_block(spec.setup),
         train_args=_train_lines(spec.train_args),
         run_dir=run_dir,
         run_dir_note=(str(run_cfg.out).replace("\n", "\\n") + " (--out)" if gave_out else
@@ -411,6 +500,13 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--project", help="PBS Pro project (-P); refused by torque and slurm")
     p.add_argument("--queue", help="queue (PBS -q) or partition (Slurm)")
     p.add_argument("--account", help="account to charge (PBS -A, Slurm --account)")
+    p.add_argument("--directive", action="append", default=[], metavar="OPTION",
+                   help="a site's own scheduler option, written after hpcbert's directives (repeatable): "
+                        "--directive=--qos=high, --directive '-l mem=64GB' (a '#SBATCH ' or '#PBS ' prefix "
+                        "may be given); options hpcbert writes itself are refused, naming the option to use")
+    p.add_argument("--setup", action="append", default=[], metavar="LINE",
+                   help="a shell line the job runs before the launch (repeatable, in order): "
+                        "'module load apptainer', 'source /apps/venv/bin/activate'")
     p.add_argument("--launcher", choices=("mpiexec", "pbsdsh", "ssh", "srun"),
                    help="how one bootstrap per node starts; pbs: mpiexec (default), pbsdsh, ssh; "
                         "torque: pbsdsh (default), mpiexec, ssh; slurm: srun")
@@ -443,6 +539,7 @@ def spec_from_args(ns: argparse.Namespace, train: list[str]) -> JobSpec:
                          + " (or give a --preset: " + ", ".join(PRESETS) + ")")
     return JobSpec(scheduler=ns.scheduler, **res, project=ns.project, queue=ns.queue, account=ns.account,
                    launcher=ns.launcher, container=ns.container, binds=ns.bind, stop_margin=ns.stop_margin,
+                   extra_directives=ns.directive, setup=ns.setup,
                    job_name=ns.job_name or (f"bert-{ns.preset}" if preset else "hpcbert"),
                    train_args=(preset_argv(preset_for(preset.train, train)) if preset else []) + train)
 

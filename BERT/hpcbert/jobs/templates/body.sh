@@ -1,5 +1,5 @@
 
-# --- environment of every node (the launchers and the container wrapper pass it on) ---
+@@setup# --- environment of every node (the launchers and the container wrapper pass it on) ---
 # The hpcbert checkout (bootstrap, container wrapper) and the interpreter that runs torchrun + hpcbert.
 export HPCBERT_KIT="${HPCBERT_KIT:-@@kit}"
 export HPCBERT_PYTHON="${HPCBERT_PYTHON:-@@python}"
