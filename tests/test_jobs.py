@@ -199,12 +199,13 @@ def test_a_setup_line_is_one_line(setup):
 def test_site_directives_follow_hpcberts_own_before_the_first_command(capsys):
     base = ["--nodes", "2", "--gpus-per-node", "4", "--walltime", "01:30:00", "--cpus-per-node", "8", "--dry-run"]
     accepted = {"slurm": ["--directive=--qos=high", "--directive", "#SBATCH -C a100", "--directive=--mem=0",
-                          "--directive=--gpu-bind=closest", "--directive=--nodelist=n[1-2]"],
+                          "--directive=--gpu-bind=closest", "--directive=--nodelist=n[1-2]",
+                          "--directive=--gres=lscratch:100"],
                 "pbs": ["--directive", "-l mem=64GB,jobfs=100GB", "--directive",
                         "#PBS -l storage=gdata/ab12+scratch/ab12", "--directive", "-W group_list=ai",
                         "--directive", "-m abe"]}
     expected = {"slurm": ["#SBATCH --qos=high", "#SBATCH -C a100", "#SBATCH --mem=0", "#SBATCH --gpu-bind=closest",
-                          "#SBATCH --nodelist=n[1-2]"],
+                          "#SBATCH --nodelist=n[1-2]", "#SBATCH --gres=lscratch:100"],
                 "pbs": ["#PBS -l mem=64GB,jobfs=100GB", "#PBS -l storage=gdata/ab12+scratch/ab12",
                         "#PBS -W group_list=ai", "#PBS -m abe"]}
     for scheduler, prefix in (("slurm", "#SBATCH"), ("pbs", "#PBS")):

@@ -250,6 +250,8 @@ def check_directive(scheduler: str, text: str) -> str:
             name = long_.group(1)
             # sbatch takes any unambiguous abbreviation of a long option (getopt_long): --part=gpu
             owned = [o for o in _SLURM_OWN if o == name or (len(name) >= 2 and o.startswith(name))]
+            if owned == ["gres"] and "gpu" not in text[long_.end():]:
+                owned = []  # a generic resource other than GPUs (--gres=lscratch:100): the site's own
         else:
             owned = [o for o in (_SLURM_SHORT.get(text[1:2]),) if o]
         if owned:
