@@ -85,10 +85,25 @@ def test_dry_run_prints_the_environment_and_command():
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     assert "hosts: node 0 of 2 (10.0.0.1, 10.0.0.2), head 10.0.0.1, job j1" in r.stderr
-    for part in ("TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1", "GLOO_SOCKET_IFNAME=ib0", "NCCL_SOCKET_IFNAME=ib0",
+    for part in ("GLOO_SOCKET_IFNAME=ib0", "NCCL_SOCKET_IFNAME=ib0",
                  "--rdzv-endpoint=10.0.0.1:29555", "--rdzv-conf=is_host=1", "--local-addr=10.0.0.1",
-                 "-m hpcbert.cli train --model bert-tiny"):
+                 "--max-restarts=0", "-m hpcbert.cli train --model bert-tiny"):
         assert part in r.stderr
+    # No restarts: the workers use the rendezvous store, as torchrun does by default (a store of their
+    # own is bound on a port torch picked and released earlier, which another process may take).
+    assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" not in r.stderr
+
+
+def test_with_restarts_the_workers_get_a_store_of_their_own():
+    # torch 2.13: restarts with the shared store fail to reconnect and hang the other node (hpc-lab
+    # NOTES 3.2, pytorch/pytorch#135712).
+    r = subprocess.run([sys.executable, "-m", "hpcbert.launch", "--hosts", "10.0.0.1,10.0.0.2", "--node-rank", "1",
+                        "--job-id", "j1", "--max-restarts", "2", "--nproc-per-node", "1", "--dry-run", "--",
+                        "--model", "bert-tiny"],
+                       env={k: v for k, v in run_env().items() if k != "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"},
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in r.stderr and "--max-restarts=2" in r.stderr
 
 
 @pytest.mark.slow
@@ -103,18 +118,49 @@ def test_a_node_that_never_starts_is_named_within_the_join_timeout(tmp_path):
     assert "node(s) 1 never arrived" in r.stderr and "Not started: node 1 = 127.0.0.2." in r.stderr
 
 
-def test_a_taken_port_is_replaced_by_a_free_one():
+def _free_run_of_ports(n: int) -> list[int]:
+    """n consecutive derived ports (step 2) that this machine can listen on now."""
     import socket
+    for start in range(29400, 29900 - 2 * n, 2 * n):
+        ports = list(range(start, start + 2 * n, 2))
+        try:
+            for port in ports:
+                with socket.socket() as s:
+                    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                    s.bind(("", port))
+            return ports
+        except OSError:
+            continue
+    pytest.skip("no free run of ports in 29400-29898 on this machine")
+
+
+def test_a_taken_port_is_replaced_by_the_next_free_derived_port(monkeypatch):
+    # The replacement lies below the ephemeral range (32768-60999 on Linux), so no outgoing connection
+    # is given it between this check and torchrun's bind: CI saw EADDRINUSE on port 60511, one the OS
+    # had handed out as free.
+    import socket
+    a, b, c = _free_run_of_ports(3)
     with socket.socket() as held:
-        held.bind(("", 0))
+        held.bind(("", a))
         held.listen()
-        port = held.getsockname()[1]
-        other = launch.port_or_free(port)
-        assert other != port
-        with socket.socket() as s:  # the replacement can be listened on
-            s.bind(("", other))
-            s.listen()
-    assert launch.port_or_free(port) == port  # free again once the holder closed
+        assert launch.port_or_free(a) == b
+        with socket.socket() as held_too:
+            held_too.bind(("", b))
+            held_too.listen()
+            assert launch.port_or_free(a) == c
+            # with every derived port taken, the OS picks one
+            monkeypatch.setattr(launch, "PORTS", range(a, c, 2))
+            other = launch.port_or_free(b)
+            assert other not in (a, b)
+            with socket.socket() as s:  # the OS's choice can be listened on
+                s.bind(("", other))
+                s.listen()
+        assert launch.port_or_free(b) == b  # free again once its holder closed
+    monkeypatch.setattr(launch, "PORTS", range(a, c + 2, 2))
+    with socket.socket() as held:
+        held.bind(("", c))
+        held.listen()
+        assert launch.port_or_free(c) == a  # after the last, the first
 
 
 def test_a_taken_check_in_port_on_the_head_is_named_with_what_to_do(tmp_path):

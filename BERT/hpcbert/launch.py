@@ -14,9 +14,14 @@ Where the inputs come from (the first that applies):
 Start it once per node: `srun --ntasks-per-node=1`, `mpiexec -n NNODES --ppn 1`, or by hand.
 The job id is the rendezvous id (never reused across jobs) and, unless --port is given, picks the
 rendezvous port, so two jobs sharing a head node do not collide; should another job hold that
-port all the same (two ids can land on one port), the head takes a free one instead and, on
-several nodes, hands it to the others through the node check-in (at the derived port + 1). Derived
-ports are even, so one job's check-in port (odd) is never another job's rendezvous port.
+port all the same (two ids can land on one port), the head takes the next free port of that range
+instead and, on several nodes, hands it to the others through the node check-in (at the derived
+port + 1). Derived ports are even, so one job's check-in port (odd) is never another job's
+rendezvous port. The range lies below the kernel's ephemeral ports (Linux: 32768-60999), which
+any outgoing connection may be given between the head's check and torchrun's bind.
+The workers use the rendezvous store (torchrun's default) unless --max-restarts is given; then
+they get a store of their own on a port torch picks (a shared store breaks restarts in torch 2.13,
+pytorch/pytorch#135712), which another process can take before rank 0 binds it.
 """
 
 from __future__ import annotations
@@ -124,23 +129,39 @@ def discover(env: dict[str, str], hosts: list[str] | None = None, node_rank: int
     return Nodes(hosts, rank, job_id, source)
 
 
+PORTS = range(29400, 29900, 2)  # the derived rendezvous ports: even, below the ephemeral range
+
+
 def default_port(job_id: str) -> int:
     """A rendezvous port derived from the job id: the same on every node, even, 29400-29898. Even so
     that the node check-in on port + 1 never lands on another job's derived rendezvous port."""
-    return 29400 + 2 * (zlib.crc32(job_id.encode()) % 250)
+    return PORTS[zlib.crc32(job_id.encode()) % len(PORTS)]
 
 
-def port_or_free(port: int) -> int:
-    """`port` if this machine can listen on it now, else a free port the OS picks (both as torchrun's
-    TCPStore binds: every address, SO_REUSEADDR, so a closed job's TIME_WAIT does not count as busy)."""
+def _can_listen(port: int) -> bool:
+    # as torchrun's TCPStore binds: every address, SO_REUSEADDR, so a closed job's TIME_WAIT is free
     with socket.socket() as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind(("", port))
-            return port
+            return True
         except OSError:
-            s.bind(("", 0))
-            return s.getsockname()[1]
+            return False
+
+
+def port_or_free(port: int) -> int:
+    """`port` if this machine can listen on it now, else the next port of PORTS after it that it can
+    (wrapping round), else one the OS picks. PORTS lie below the ephemeral range, so no outgoing
+    connection is given the choice before torchrun binds it."""
+    if _can_listen(port):
+        return port
+    start = PORTS.index(port) + 1 if port in PORTS else 0
+    for candidate in (*PORTS[start:], *PORTS[:start]):
+        if candidate != port and _can_listen(candidate):
+            return candidate
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
 
 
 def torchrun_command(nodes: Nodes, nproc_per_node: int | str, port: int, train_args: list[str], *,
@@ -158,10 +179,14 @@ def torchrun_command(nodes: Nodes, nproc_per_node: int | str, port: int, train_a
     return [*cmd, "-m", "hpcbert.cli", "train", *train_args]
 
 
-def launch_env(env: dict[str, str], ifname: str | None) -> dict[str, str]:
+def launch_env(env: dict[str, str], ifname: str | None, max_restarts: int = 0) -> dict[str, str]:
     out = dict(env)
-    # torch 2.13: a TCPStore shared between rendezvous and workers makes restarts hang (NOTES 3.2).
-    out["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    # torch 2.13: a TCPStore shared between rendezvous and workers makes restarts hang (hpc-lab NOTES
+    # 3.2, pytorch/pytorch#135712), so with restarts the workers get their own. Without, they share
+    # it: an own store's port is torch's get_free_port(), closed and handed to rank 0 to bind seconds
+    # later; CI saw another process take it in between (EADDRINUSE on an ephemeral port).
+    if max_restarts > 0:
+        out["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     if ifname:  # gloo otherwise binds the address the hostname resolves to (often 127.0.0.1)
         out.setdefault("GLOO_SOCKET_IFNAME", ifname)
         out.setdefault("NCCL_SOCKET_IFNAME", ifname)
@@ -219,7 +244,8 @@ def main(argv: list[str] | None = None) -> int:
                    "when that is an IP)")
     p.add_argument("--ifname", help="network interface for gloo/NCCL (sets GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME "
                    "unless already set)")
-    p.add_argument("--max-restarts", type=int, default=0)
+    p.add_argument("--max-restarts", type=int, default=0, help="torchrun restarts of the workers after a failure "
+                   "(default 0: the job fails, its last checkpoint is there to resume from)")
     p.add_argument("--join-timeout", type=int, default=600, help="seconds to wait for every node to join; the "
                    "error names the nodes that did not")
     p.add_argument("--dry-run", action="store_true", help="print the environment changes and command, do not run")
@@ -240,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
     port = ns.port or default_port(nodes.job_id)
     nproc = ns.nproc_per_node or _default_nproc(env)
     python = env.get("HPCBERT_PYTHON") or sys.executable
-    new_env = launch_env(env, ns.ifname)
+    new_env = launch_env(env, ns.ifname, ns.max_restarts)
     changes = {k: v for k, v in new_env.items() if env.get(k) != v}
     print(f"hpcbert launch: {nodes.source}: node {nodes.node_rank} of {nodes.nnodes} ({', '.join(nodes.hosts)}), "
           f"head {nodes.head}, job {nodes.job_id}", file=sys.stderr, flush=True)
