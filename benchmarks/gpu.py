@@ -85,7 +85,7 @@ def cmd_throughput(a) -> int:
     glue, work = C.glue_root(a.data_dir, a.task), Path(a.work_dir)
     batches = a.batches
     doc = C.header("gpu-throughput", a.threads)
-    doc["settings"] = {"task": a.task, "model": MODEL, "max_seq_length": C.SEQ_LEN, "precision": "bf16",
+    doc["settings"] = {"task": a.task, "model": a.model, "max_seq_length": C.SEQ_LEN, "precision": "bf16",
                        "batches": batches, "steps": a.steps, "warmup_steps_excluded": a.warmup_excluded,
                        "repeats": a.repeats, "seed": C.SEED, "hf_optim": a.hf_optim}
     doc["runs"] = []
@@ -95,7 +95,7 @@ def cmd_throughput(a) -> int:
             name = f"gpu-{a.task}-b{B}-r{rep}"
             s = C.hpcbert_run(f"{name}-hp", work, a.threads, C.hpcbert_mrpc_args(
                 glue, "bf16", C.SEED, max_steps=a.steps, sampler="random", warmup_excluded=a.warmup_excluded,
-                log_every=1, task=a.task, model=MODEL, batch=B, tokenizer=a.tokenizer) + ["--compile", a.hpcbert_compile])
+                log_every=1, task=a.task, model=a.model, batch=B, tokenizer=a.tokenizer) + ["--compile", a.hpcbert_compile])
             hp = C.hpcbert_record(s)
             hp.update(side="hpcbert", batch=B, repeat=rep, mfu=s.get("mfu"), peak_flops=s.get("peak_flops"),
                       token_multiple=s.get("token_multiple"), compile=s.get("compile"),
@@ -108,7 +108,7 @@ def cmd_throughput(a) -> int:
                 hf = C.hf_run(f"{name}-hf-{conf}", work, a.threads, glue, work / "hf-json" / f"{name}-{conf}.json",
                               precision="bf16", seed=C.SEED, max_steps=a.steps,
                               warmup_excluded=a.warmup_excluded, optim=a.hf_optim, task=a.task, order="hpcbert-random",
-                              model=MODEL, batch=B, tokenizer=a.tokenizer, **opts)
+                              model=a.model, batch=B, tokenizer=a.tokenizer, **opts)
                 hf.update(side="hf", batch=B, repeat=rep, hf_config=conf)
                 doc["runs"].append(hf)
                 say(f"{name}: hpcbert {hp['steady_sequences_per_sec']:.0f} seq/s (MFU {hp['mfu'] or 0:.1%}), "
@@ -892,6 +892,7 @@ def main(argv: list[str] | None = None) -> int:
     common(t)
     t.add_argument("--data-dir", default="../shared/data/glue")
     t.add_argument("--task", default="mrpc", choices=tuple(C.TASK_FOLDERS))
+    t.add_argument("--model", default=MODEL, help="both sides' model, random weights (default: %(default)s)")
     t.add_argument("--batches", type=batch_list, default="32,128")
     t.add_argument("--steps", type=int, default=60)
     t.add_argument("--warmup-excluded", type=int, default=10)

@@ -405,6 +405,23 @@ def test_bad_runs_are_skipped_with_a_reason_and_the_others_reported(tmp_path, ca
         assert needles[0] in md
 
 
+@pytest.mark.parametrize("compile_steps", [3.5, [7], [{"step": 0, "step_s": 1.0}], [{"step": 12}],
+                                           [{"step": 12, "step_s": "slow"}], {"step": 12, "step_s": 1.0}])
+def test_a_run_whose_compile_steps_the_caption_cannot_read_is_skipped_naming_them(tmp_path, capsys, compile_steps):
+    # the caption's compile line reads each entry's step and step_s (found by test_report_fuzz)
+    make_run(tmp_path, "good", compile_steps=[{"step": 12, "graphs": 1, "step_s": 9.5}],
+             throughput_method="summed step times of steps 11..900")
+    make_run(tmp_path, "bad", config={"seed": 2}, compile_steps=compile_steps)
+    assert report.cli([str(tmp_path / "good"), str(tmp_path / "bad"), "--format", "json"]) == 0
+    out, err = capsys.readouterr()
+    doc = json.loads(out)
+    assert [r["run"] for r in doc["rows"]] == ["good"]
+    assert "step 12 (9.5 s)" in doc["caption"]
+    [skipped] = doc["skipped"]
+    assert "bad" in skipped["run"] and "compile_steps is " in skipped["reason"], skipped
+    assert "expected null or a list of {step: a positive integer, step_s: seconds}" in skipped["reason"]
+
+
 def test_a_folder_with_bad_runs_still_reports_the_good_ones(tmp_path, capsys):
     _bad_runs(tmp_path)
     make_run(tmp_path / "deeper", "good")
@@ -1157,7 +1174,7 @@ def test_gpu_throughput_runs_each_trainer_configuration(tmp_path, monkeypatch):
     gpu = _benchmark_script("gpu")
     monkeypatch.setenv("HPCBERT_GPU_BENCH_ON_CPU", "1")
     glue, results = write_glue_dir(tmp_path / "glue", ["MRPC"]), tmp_path / "r"
-    common = ["throughput", "--data-dir", str(glue), "--tokenizer", str(tok), "--batches", "2", "--steps", "2",
+    common = ["throughput", "--model", "bert-tiny", "--data-dir", str(glue), "--tokenizer", str(tok), "--batches", "2", "--steps", "2",
               "--warmup-excluded", "1", "--repeats", "1", "--threads", "1", "--results-dir", str(results),
               "--work-dir", str(tmp_path / "w")]
     with pytest.raises(SystemExit) as e:
@@ -1170,4 +1187,8 @@ def test_gpu_throughput_runs_each_trainer_configuration(tmp_path, monkeypatch):
     assert hp["step_real_tokens"] == plain["step_real_tokens"] == pad8["step_real_tokens"]
     assert pad8["pad_to_multiple_of"] == 8 and all((p // n) % 8 == 0 for p, n in zip(pad8["step_padded_tokens"], pad8["step_sequences"]))
     assert [(r["batch"], r["hf_config"]) for r in doc["summary"]] == [(2, "plain"), (2, "pad8")]
+    # both sides ran the model asked for: the Trainer worker's command lines, as logged
+    logs = sorted((tmp_path / "w" / "logs").glob("*.log"))
+    assert doc["settings"]["model"] == "bert-tiny" and len(logs) == 3
+    assert all("--model bert-tiny" in log.read_text().splitlines()[0] for log in logs), [log.name for log in logs]
     assert "hpcbert against the Trainer at its best on equal batches: batch 2:" in gpu.render(results)

@@ -168,6 +168,10 @@ def check_summary(path: Path, s: dict) -> None:
             if value is not None and not _is_measure(value):
                 raise RunDirError(f"{path}: eval.{split}.{name} is {short_repr(value)}; expected a finite "
                                   f"number or null")
+    compiles = s.get("compile_steps")  # the caption's compile line reads each {step, step_s}
+    if compiles is not None and not (isinstance(compiles, list) and all(
+            isinstance(c, dict) and _is_count(c.get("step"), 1) and _is_measure(c.get("step_s")) for c in compiles)):
+        raise bad("compile_steps", "null or a list of {step: a positive integer, step_s: seconds}")
     main = s["main_metric"]
     if ev and not any(main in m for m in ev.values()):
         have = "; ".join(f"{sp}: {', '.join(sorted(m)) or 'nothing'}" for sp, m in sorted(ev.items()))
