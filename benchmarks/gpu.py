@@ -11,7 +11,7 @@ test; results/gpu/README.md is generated from the JSON files it writes (`render`
     python benchmarks/gpu.py hostcost                                            host time per matmul call
     python benchmarks/gpu.py render                                              results/gpu/README.md
 
-throughput: bert-base (random weights, the published shape) at max length 128, bf16, MRPC, the same
+throughput: bert-base (--model; random weights, the published shape) at max length 128, bf16, MRPC, the same
 batches on both sides (hpcbert's random order given to the Trainer as its sampler), each run its own
 process, hpcbert and Trainer interleaved; the helpers and the Trainer worker are compare_hf.py's.
 The Trainer runs in each of --hf-configs: plain dynamic padding, padding to a multiple of 8 (run_glue.py's
