@@ -306,7 +306,7 @@ RECORDER = """#!{python}
 import json, os, sys
 names = ["OMP_NUM_THREADS", "HPCBERT_JOB_DEADLINE", "HPCBERT_STOP_FILE", "HPCBERT_PYTHON", "HPCBERT_KIT",
          "HPCBERT_WRAPPER", "HPCBERT_IMAGE", "HPCBERT_BINDS", "HPCBERT_NV", "GLUE_DIR", "NCCL_SOCKET_IFNAME",
-         "PYTORCH_CUDA_ALLOC_CONF", "UNRELATED", "SITE_SETUP"]
+         "PYTORCH_CUDA_ALLOC_CONF", "UNRELATED", "SITE_SETUP", "SITE_CHANGED", "SITE_LOCAL"]
 json.dump({{"argv": sys.argv[1:], "cwd": os.getcwd(), "env": {{k: os.environ.get(k) for k in names}},
            "stop_file_existed": os.path.exists(os.environ["HPCBERT_STOP_FILE"])}},
           open(os.environ["HPCBERT_TEST_LOG"], "w"))
@@ -438,6 +438,43 @@ def test_pbsdsh_gets_the_directory_and_environment_back(job_sandbox):
     assert rec["env"]["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:False"
     assert rec["env"]["HPCBERT_STOP_FILE"] == str(tmp_path / "runs" / "hpcbert" / "STOP")
     assert (tmp_path / "record.json.launcher").read_text().startswith("pbsdsh -- /bin/bash -c")
+
+
+# ssh stand-in: `ssh -o BatchMode=yes HOST COMMAND` runs COMMAND in a bare login shell, in /
+SSH = """#!/usr/bin/env bash
+echo "ssh $*" >> "$HPCBERT_TEST_LOG.launcher"
+shift 2; shift
+cd / && exec env -i HPCBERT_TEST_LOG="$HPCBERT_TEST_LOG" /bin/bash -c "$*"
+"""
+
+
+@pytest.mark.parametrize("launcher", ["pbsdsh", "ssh"])
+def test_pbsdsh_and_ssh_pass_on_what_the_setup_lines_set_or_changed(job_sandbox, launcher):
+    """They start each node with a bare environment and pass on the variables they name: with them,
+    every variable the --setup lines exported or changed (module load sets variables of its own:
+    CUDA_HOME, MODULEPATH, a library's); what the job had before and the set-up left alone stays out,
+    and so does a variable the set-up did not export."""
+    tmp_path, env = job_sandbox
+    stub(tmp_path / "bin" / "pbsdsh", LAUNCHER.replace('exec "$@"', 'cd / && exec env -i "$@"'))
+    stub(tmp_path / "bin" / "ssh", SSH)
+    (tmp_path / "nodes").write_text("n1\nn1\n")
+    setup = ["export SITE_SETUP='a b'", "export SITE_CHANGED=after", "SITE_LOCAL=1", "export UNRELATED=no"]
+    text = render(spec("pbs", launcher=launcher, nodes=1, gpus_per_node=0, procs_per_node=1, cpus_per_node=2,
+                       setup=setup), "cmd")
+    r, rec = run_script(text, tmp_path, dict(env, PBS_JOBID="8", PBS_O_WORKDIR=str(tmp_path),
+                                             PBS_NODEFILE=str(tmp_path / "nodes"), UNRELATED="no",
+                                             SITE_CHANGED="before"))
+    assert r.returncode == 0, r.stderr
+    assert (tmp_path / "record.json.launcher").read_text().startswith(launcher)
+    assert rec["cwd"] == str(tmp_path)
+    assert rec["env"]["SITE_SETUP"] == "a b" and rec["env"]["SITE_CHANGED"] == "after"
+    assert rec["env"]["UNRELATED"] is None and rec["env"]["SITE_LOCAL"] is None
+    # without set-up lines nothing more is passed on than before
+    text = render(spec("pbs", launcher=launcher, nodes=1, gpus_per_node=0, procs_per_node=1, cpus_per_node=2), "cmd")
+    r, rec = run_script(text, tmp_path, dict(env, PBS_JOBID="9", PBS_O_WORKDIR=str(tmp_path),
+                                             PBS_NODEFILE=str(tmp_path / "nodes"), SITE_SETUP="x", SITE_CHANGED="y"))
+    assert r.returncode == 0, r.stderr
+    assert rec["env"]["SITE_SETUP"] is None and rec["env"]["SITE_CHANGED"] is None
 
 
 def test_container_settings_are_exported_for_the_bootstrap(job_sandbox):

@@ -370,9 +370,16 @@ def directives(spec: JobSpec) -> list[str]:
 
 # The job's variables pbsdsh and ssh pass on to every node (they start with a bare environment;
 # srun and mpiexec pass the whole of it): hpcbert's and PBS's, the interpreter's, the communication
-# libraries' and torch's, and the CUDA allocator's settings (a user's; without them hpcbert sets its own).
+# libraries' and torch's, and the CUDA allocator's settings (a user's; without them hpcbert sets its own);
+# and every variable the --setup lines set or changed (their names in HPCBERT_SETUP_ENV).
 _NODE_ENV = ("HPCBERT_*|PBS_*|OMP_NUM_THREADS|PATH|PYTHONPATH|LD_LIBRARY_PATH|VIRTUAL_ENV|NCCL_*|GLOO_*|TORCH_*|"
              "PYTORCH_CUDA_ALLOC_CONF|PYTORCH_ALLOC_CONF")
+# The case statement that adds $v to what pbsdsh or ssh passes on when it is one of those (`add`: how).
+_NODE_ENV_CASE = """\
+    case $v in
+      @@node_env) {add} ;;
+      *) case " ${{HPCBERT_SETUP_ENV-}} " in *" $v "*) {add} ;; esac ;;
+    esac"""
 
 # How PBS starts one bootstrap per node (Slurm: srun, in templates/slurm.sh).
 _PBS_LAUNCH = {
@@ -385,7 +392,7 @@ launch_cmd() { LAUNCH=(mpiexec -n @@nodes --ppn 1); }""",
 node_env() {
   local v
   for v in $(compgen -e); do
-    case $v in @@node_env) LAUNCH+=("$v=${!v}") ;; esac
+""" + _NODE_ENV_CASE.format(add='LAUNCH+=("$v=${!v}")') + """
   done
 }
 launch_cmd() { LAUNCH=(pbsdsh @@pbsdsh_opts-- /bin/bash -c 'cd "$1" && shift && exec env "$@"' hpcbert-node "$PWD"); node_env; }""",
@@ -397,7 +404,7 @@ on_each_node() {
   local host cmd pids=() rc=0 v
   cmd="cd $(printf %q "$PWD") && exec env"
   for v in $(compgen -e); do
-    case $v in @@node_env) cmd+=" $(printf %q "$v=${!v}")" ;; esac
+""" + _NODE_ENV_CASE.format(add='cmd+=" $(printf %q "$v=${!v}")"') + """
   done
   cmd+=" $(printf '%q ' "$@")"
   for host in $(awk '!seen[$0]++' "$PBS_NODEFILE"); do
@@ -417,13 +424,22 @@ def setup_block(lines: list[str]) -> str:
         return ""
     return "\n".join([
         "# --- site set-up (--setup): run here before anything starts; the launchers pass the environment",
-        "# it leaves on to every node (srun and mpiexec all of it; pbsdsh and ssh the variables launch_cmd names) ---",
+        "# it leaves on to every node (srun and mpiexec all of it; pbsdsh and ssh the variables launch_cmd",
+        "# names and every one these lines set or change, listed in HPCBERT_SETUP_ENV) ---",
+        "declare -A _hpcbert_env=()",
+        'for _v in $(compgen -e); do _hpcbert_env[$_v]=${!_v}; done',
         "trap 'status=$?; echo \"hpcbert job: --setup failed (status $status): $BASH_COMMAND\" >&2' ERR",
         "set -E +u  # the message also for a failure inside a shell function (module); module, conda and",
         "          # venv scripts may read unset variables",
         *lines,
         "set +E -u",
         "trap - ERR",
+        "HPCBERT_SETUP_ENV=",
+        "for _v in $(compgen -e); do",
+        '  [[ ${_hpcbert_env[$_v]+set} && ${_hpcbert_env[$_v]} == "${!_v}" ]] || HPCBERT_SETUP_ENV+=" $_v"',
+        "done",
+        'export HPCBERT_SETUP_ENV=${HPCBERT_SETUP_ENV# }',
+        "unset _hpcbert_env _v",
         "", ""])
 
 
